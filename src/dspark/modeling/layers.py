@@ -1,0 +1,164 @@
+"""Decoder building blocks shared by the target and the drafters.
+
+Module and parameter names follow Hugging Face (``self_attn.q_proj``,
+``mlp.gate_proj``, ``input_layernorm`` ...), so HF and DeepSpec state dicts
+load without renaming.
+
+Shapes: N = tokens (flattened over requests), H = hidden size, Hq / Hkv =
+query / KV heads, D = head dim, S = key length.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dspark.modeling.spec import DecoderSpec, RopeSpec
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6, offset: float = 0.0) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
+        self.eps = eps
+        self.offset = offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., dim)
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:  # Gemma multiplies in float32 before casting back
+            return (x * (self.offset + self.weight.float())).to(dtype)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(rope: RopeSpec, head_dim: int) -> torch.Tensor:  # (D/2,)
+    inv = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if rope.rope_type == "linear":
+        inv = inv / rope.factor
+    elif rope.rope_type == "llama3":
+        old = rope.original_max_position_embeddings
+        low_wl, high_wl = old / rope.low_freq_factor, old / rope.high_freq_factor
+        wavelen = 2 * torch.pi / inv
+        scaled = torch.where(wavelen > low_wl, inv / rope.factor, inv)
+        smooth = (old / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+        mid = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        is_mid = (wavelen >= high_wl) & (wavelen <= low_wl)
+        inv = torch.where(is_mid, mid, scaled)
+    return inv.float()
+
+
+def apply_rope(
+    x: torch.Tensor,  # (N, heads, D)
+    positions: torch.Tensor,  # (N,) int64
+    inv_freq: torch.Tensor,  # (D/2,)
+) -> torch.Tensor:  # (N, heads, D)
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # (N, D/2)
+    emb = torch.cat([freqs, freqs], dim=-1)  # (N, D)
+    cos, sin = emb.cos()[:, None, :].to(x.dtype), emb.sin()[:, None, :].to(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+_ACT = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+}
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: DecoderSpec) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+        self.act = _ACT[spec.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (N, H)
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Attention(nn.Module):
+    """Projections and norms; attending is done by the caller (cache-aware)."""
+
+    def __init__(self, spec: DecoderSpec, layer_idx: int, in_features: int | None = None) -> None:
+        super().__init__()
+        h, d = in_features or spec.hidden_size, spec.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, d
+        self.q_proj = nn.Linear(h, spec.num_heads * d, bias=spec.attention_bias)
+        self.k_proj = nn.Linear(h, spec.num_kv_heads * d, bias=spec.attention_bias)
+        self.v_proj = nn.Linear(h, spec.num_kv_heads * d, bias=spec.attention_bias)
+        self.o_proj = nn.Linear(spec.num_heads * d, spec.hidden_size, bias=False)
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(d, spec.rms_norm_eps, spec.norm_offset)
+            self.k_norm = RMSNorm(d, spec.rms_norm_eps, spec.norm_offset)
+        else:
+            self.q_norm = self.k_norm = None
+        self.scale = spec.scale
+        self.softcap = spec.attn_softcap
+        self.window = spec.window_for(layer_idx)
+        self.register_buffer("inv_freq", rope_inv_freq(spec.rope_for(layer_idx), d), persistent=False)
+
+    def project_q(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # (N, Hq, D)
+        q = self.q_proj(x).view(x.shape[0], self.num_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        return apply_rope(q, positions, self.inv_freq)
+
+    def project_kv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        k = self.k_proj(x).view(x.shape[0], self.num_kv_heads, self.head_dim)  # (N, Hkv, D)
+        v = self.v_proj(x).view(x.shape[0], self.num_kv_heads, self.head_dim)  # (N, Hkv, D)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        return apply_rope(k, positions, self.inv_freq), v
+
+    def attend(
+        self,
+        q: torch.Tensor,  # (Hq, T, D)
+        k: torch.Tensor,  # (Hkv, S, D)
+        v: torch.Tensor,  # (Hkv, S, D)
+        mask: torch.Tensor | None,  # (T, S) bool, True = may attend; None = all
+    ) -> torch.Tensor:  # (T, Hq*D)
+        groups = self.num_heads // self.num_kv_heads
+        if self.softcap is None:
+            out = F.scaled_dot_product_attention(
+                q[None], k[None], v[None], attn_mask=mask, scale=self.scale, enable_gqa=groups > 1
+            )[0]  # (Hq, T, D)
+        else:  # Gemma2 soft-capping needs the explicit score matrix
+            if groups > 1:
+                k, v = k.repeat_interleave(groups, 0), v.repeat_interleave(groups, 0)
+            scores = (q @ k.transpose(-1, -2)) * self.scale  # (Hq, T, S)
+            scores = torch.tanh(scores / self.softcap) * self.softcap
+            if mask is not None:
+                scores = scores.masked_fill(~mask, float("-inf"))
+            out = torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
+        return out.transpose(0, 1).reshape(q.shape[1], -1)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: DecoderSpec, layer_idx: int) -> None:
+        super().__init__()
+        eps, off = spec.rms_norm_eps, spec.norm_offset
+        self.self_attn = Attention(spec, layer_idx)
+        self.mlp = MLP(spec)
+        self.input_layernorm = RMSNorm(spec.hidden_size, eps, off)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, eps, off)
+        self.sandwich = spec.sandwich_norms
+        if spec.sandwich_norms:
+            self.pre_feedforward_layernorm = RMSNorm(spec.hidden_size, eps, off)
+            self.post_feedforward_layernorm = RMSNorm(spec.hidden_size, eps, off)
+
+    def attn_residual(self, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """Add the attention branch (after o_proj) to the residual stream."""
+        branch = self.self_attn.o_proj(attn_out)
+        if self.sandwich:
+            return x + self.post_attention_layernorm(branch)
+        return x + branch
+
+    def mlp_residual(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sandwich:
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        return x + self.mlp(self.post_attention_layernorm(x))

@@ -1,0 +1,279 @@
+"""Verification-length policies: how many draft tokens of each request the target verifies.
+
+Shapes: R = requests in the batch, K = most draft tokens any request proposed
+this step; row r uses its first ``num_candidates[r]`` entries, the rest is
+padding and is ignored.
+
+Every policy maps per-step confidences c_{r,j} (calibrated, in [0, 1]; the
+confidence head's eq. (7) after STS) to ``verify_len`` l_r in
+[0, num_candidates[r]]: the target then checks 1 + l_r positions of request r
+(its anchor plus l_r drafts). Survival is a_{r,j} = prod_{i<=j} c_{r,i}
+(§3.2.2), computed here by ``survival_from_confidences``.
+
+Losslessness. Rejection sampling keeps the target distribution only if the
+decision "is draft x_{r,j} verified" depends on x_{r,<j} (plus anything
+independent of request r's current drafts: other requests, the past), never
+on x_{r,j} or later drafts. Because c_{r,j+1} reads x_{r,j} (Markov feature),
+a_{r,j+1} carries information about x_{r,j}: a policy that looks at a_{r,j+1}
+before deciding about position j leaks. Algorithm 1's early stop and the
+async variant's lagged capacity are what make them causal;
+``RetrospectiveGlobalSearch`` (paper Appendix A) is the biased counter-example
+and exists for tests and ablations only.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import ClassVar, Protocol, runtime_checkable
+
+import torch
+
+from dspark.scheduler.sps import SPSTable
+
+
+@runtime_checkable
+class VerifyPolicy(Protocol):
+    """Anything that chooses per-request verify lengths for one step."""
+
+    #: False if the policy works without a confidence head (``confidences=None``)
+    requires_confidences: ClassVar[bool]
+
+    def choose(
+        self,
+        confidences: torch.Tensor | None,  # (R, K) per-step c_{r,j}; padding ignored
+        num_candidates: torch.Tensor,  # (R,) int, 0 <= n_r <= K
+    ) -> torch.Tensor:  # (R,) int64 verify_len, 0 <= l_r <= n_r
+        ...
+
+
+# ----------------------------------------------------------------- helpers
+def _check_num_candidates(num_candidates: torch.Tensor, max_tokens: int | None) -> torch.Tensor:
+    if not isinstance(num_candidates, torch.Tensor) or num_candidates.dim() != 1:
+        raise ValueError("num_candidates must be a 1-D integer tensor of shape (R,)")
+    if num_candidates.dtype.is_floating_point or num_candidates.dtype == torch.bool:
+        raise ValueError(f"num_candidates must be an integer tensor, got {num_candidates.dtype}")
+    n = num_candidates.to(torch.int64)
+    if n.numel() and int(n.min()) < 0:
+        raise ValueError("num_candidates must be >= 0")
+    if max_tokens is not None and n.numel() and int(n.max()) > max_tokens:
+        raise ValueError(f"num_candidates must be <= K = {max_tokens} (the width of confidences)")
+    return n
+
+
+def _check_confidences(
+    confidences: torch.Tensor | None, num_candidates: torch.Tensor, policy: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if confidences is None:
+        raise ValueError(
+            f"{policy} needs per-step confidences from a confidence head; this drafter has none. "
+            "Use FixedLength (e.g. FixedLength(gamma) = verify-all) instead"
+        )
+    if confidences.dim() != 2:
+        raise ValueError(f"confidences must have shape (R, K), got {tuple(confidences.shape)}")
+    n = _check_num_candidates(num_candidates, confidences.shape[1])
+    if n.shape[0] != confidences.shape[0]:
+        raise ValueError(
+            f"confidences has {confidences.shape[0]} rows but num_candidates has {n.shape[0]}"
+        )
+    return confidences, n
+
+
+def survival_from_confidences(
+    confidences: torch.Tensor,  # (R, K) per-step c_{r,j} in [0, 1]
+    num_candidates: torch.Tensor,  # (R,) int
+) -> torch.Tensor:  # (R, K) float64 a_{r,j} = prod_{i<=j} c_{r,i}; 0 beyond num_candidates
+    """Cumulative survival (§3.2.2); padding gets survival 0 and is never admitted."""
+    conf = confidences.to(torch.float64)
+    valid = torch.arange(conf.shape[1], device=conf.device)[None, :] < num_candidates.to(conf.device)[:, None]
+    conf_valid = conf[valid]
+    if conf_valid.numel() and not bool(((conf_valid >= 0) & (conf_valid <= 1)).all()):
+        raise ValueError("confidences must lie in [0, 1] (apply the sigmoid and STS before scheduling)")
+    # c <= 1, so the product never increases along j (exactly, also in floating point)
+    return torch.where(valid, conf, torch.zeros_like(conf)).cumprod(dim=1)
+
+
+def _admission_path(survival: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Candidates (r, j) with a_{r,j} > 0 sorted by survival, best first.
+
+    Ties are broken by position j, then request r (deterministic). As a_{r,j}
+    is non-increasing in j, every prefix of this path admits per-request
+    prefixes. Returns row (M,), position (M,) and survival (M,) float64.
+    """
+    R, K = survival.shape
+    flat = survival.t().reshape(-1)  # (K * R,), index = j * R + r: ties keep j-then-r order
+    sorted_a, order = torch.sort(flat, descending=True, stable=True)
+    keep = sorted_a > 0  # Algorithm 1, line 4: E = {(r, j) | a_{r,j} > 0}
+    order, sorted_a = order[keep], sorted_a[keep]
+    return order % R, order // R, sorted_a
+
+
+def _theta_curve(sorted_a: torch.Tensor, num_requests: int, sps_table: SPSTable) -> torch.Tensor:
+    """Theta(b) = tau(b) * SPS(B(b)) after admitting the first b path entries, b = 0..M.
+
+    tau(b) = R + sum of the b admitted survivals, B(b) = R + b (§3.2.2).
+    """
+    tau = num_requests + torch.cat([sorted_a.new_zeros(1), sorted_a.cumsum(0)])  # (M + 1,)
+    batch_tokens = num_requests + torch.arange(tau.numel(), device=tau.device)  # (M + 1,)
+    return tau * sps_table.sps_tensor(batch_tokens)
+
+
+def _lengths_from_path(rows: torch.Tensor, positions: torch.Tensor, count: int, shape: tuple[int, int]) -> torch.Tensor:
+    """verify_len (R,) from admitting the first ``count`` path entries."""
+    R, K = shape
+    admitted = torch.zeros(R, K, dtype=torch.bool, device=rows.device)
+    admitted[rows[:count], positions[:count]] = True
+    # Prefix guard: (r, j) only counts if (r, j-1) was admitted too.
+    verify_len = admitted.long().cumprod(dim=1).sum(dim=1)
+    assert int(verify_len.sum()) == count, "admission path broke the per-request prefix order"
+    return verify_len
+
+
+# ----------------------------------------------------------------- policies
+@dataclass(frozen=True)
+class FixedLength:
+    """Verify min(n, n_r) drafts: n=1 is the MTP-1-like baseline, n=gamma verify-all."""
+
+    n: int
+    requires_confidences: ClassVar[bool] = False
+
+    def __post_init__(self) -> None:
+        if self.n < 0:
+            raise ValueError(f"FixedLength needs n >= 0, got {self.n}")
+
+    def choose(self, confidences: torch.Tensor | None, num_candidates: torch.Tensor) -> torch.Tensor:
+        n = _check_num_candidates(num_candidates, None if confidences is None else confidences.shape[1])
+        return n.clamp(max=self.n)
+
+
+@dataclass(frozen=True)
+class StaticThreshold:
+    """Truncate at the first per-step confidence c_{r,j} < threshold (DeepSpec semantics).
+
+    Per-step, not cumulative: draft j is verified iff c_{r,1..j} are all >= threshold.
+    threshold = 0 verifies everything.
+    """
+
+    threshold: float
+    requires_confidences: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.threshold <= 1.0:
+            raise ValueError(f"StaticThreshold needs a threshold in [0, 1], got {self.threshold}")
+
+    def choose(self, confidences: torch.Tensor | None, num_candidates: torch.Tensor) -> torch.Tensor:
+        confidences, n = _check_confidences(confidences, num_candidates, "StaticThreshold")
+        survival_from_confidences(confidences, n)  # validates the range
+        K = confidences.shape[1]
+        valid = torch.arange(K, device=confidences.device)[None, :] < n.to(confidences.device)[:, None]
+        passes = (confidences >= self.threshold) & valid  # (R, K)
+        return passes.long().cumprod(dim=1).sum(dim=1).to(num_candidates.device)
+
+
+@dataclass(frozen=True)
+class GreedyPrefixScheduler:
+    """Algorithm 1: greedy admission by survival with a causal early stop."""
+
+    sps_table: SPSTable
+    requires_confidences: ClassVar[bool] = True
+
+    def choose(self, confidences: torch.Tensor | None, num_candidates: torch.Tensor) -> torch.Tensor:
+        confidences, n = _check_confidences(confidences, num_candidates, "GreedyPrefixScheduler")
+        R = confidences.shape[0]
+        survival = survival_from_confidences(confidences, n)  # Algorithm 1, lines 1-3
+        rows, positions, sorted_a = _admission_path(survival)  # line 4
+        # Lines 5-6: l_r = 0, B = R, tau* = R, Theta_best = R * SPS(R). Lines 7-9 for
+        # the b-th admission give Theta(b) = (R + sum_{i<=b} a_(i)) * SPS(R + b).
+        theta = _theta_curve(sorted_a, R, self.sps_table)  # (M + 1,)
+        # Lines 10-13: keep admitting while Theta > Theta_best; break at the first
+        # admission that does not raise it. Until then Theta_best = Theta(b - 1), so
+        # the stop is the first b with Theta(b) <= Theta(b - 1). Whether (r, j) is
+        # admitted depends only on the path before it: survivals >= a_{r,j}, i.e.
+        # other requests and a_{r,<=j}, never on x_{r,j} (read by a_{r,j+1}).
+        not_raised = (theta[1:] <= theta[:-1]).nonzero()
+        count = int(not_raised[0]) if not_raised.numel() else sorted_a.numel()
+        return _lengths_from_path(rows, positions, count, survival.shape).to(num_candidates.device)  # line 16
+
+
+@dataclass(frozen=True)
+class RetrospectiveGlobalSearch:
+    """BIASED: argmax of Theta over the whole admission path (paper Appendix A).
+
+    Looking past the first non-improving admission lets a_{r,j+1}, which
+    depends on x_{r,j}, decide whether x_{r,j} is verified: the verified tokens
+    are then selected by their own value and the output is no longer the
+    target's distribution. Kept only to demonstrate the bias; never serve it.
+    """
+
+    sps_table: SPSTable
+    requires_confidences: ClassVar[bool] = True
+
+    def choose(self, confidences: torch.Tensor | None, num_candidates: torch.Tensor) -> torch.Tensor:
+        confidences, n = _check_confidences(confidences, num_candidates, "RetrospectiveGlobalSearch")
+        survival = survival_from_confidences(confidences, n)
+        rows, positions, sorted_a = _admission_path(survival)
+        theta = _theta_curve(sorted_a, confidences.shape[0], self.sps_table)
+        count = int(torch.argmax(theta))  # first maximum: fewest tokens among ties
+        return _lengths_from_path(rows, positions, count, survival.shape).to(num_candidates.device)
+
+
+@dataclass
+class AsyncTopKScheduler:
+    """§5.2: capacity from lagged survivals, then top-K current candidates.
+
+    The capacity K (draft tokens verified this step, over all requests) is
+    K* = argmax_b (R + sum of the top-b survivals of ``lag`` steps ago) * SPS(R + b),
+    an unconstrained global search over the (jagged) SPS table. This step's
+    candidates are then admitted by their current survival, best first, up to
+    K* (ties: position, then request). K* never sees this step's drafts, and
+    whether (r, j) ranks in the top K* depends only on other requests and
+    a_{r,<=j}, so the scheme is lossless.
+
+    ``choose`` records this step's survivals itself: call it exactly once per
+    engine step. Until ``lag`` steps have been seen, the capacity is
+    ``default_capacity`` (None = verify every candidate). ``reset`` forgets
+    the history. R is this step's request count; the lagged pool may come from
+    a different set of requests (an approximation, as in the paper).
+    """
+
+    sps_table: SPSTable
+    lag: int = 2
+    default_capacity: int | None = None
+    requires_confidences: ClassVar[bool] = True
+    last_capacity: int | None = field(default=None, init=False)
+    _history: deque = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.lag < 1:
+            raise ValueError(
+                f"AsyncTopKScheduler needs lag >= 1, got {self.lag} (lag 0 would size the batch "
+                "from the current drafts: the biased retrospective search)"
+            )
+        if self.default_capacity is not None and self.default_capacity < 0:
+            raise ValueError(f"default_capacity must be >= 0 or None, got {self.default_capacity}")
+        self._history = deque(maxlen=self.lag)
+
+    def reset(self) -> None:
+        self._history.clear()
+        self.last_capacity = None
+
+    def capacity(self, num_requests: int) -> int | None:
+        """K* for a step with ``num_requests`` requests, from the survivals ``lag`` steps ago.
+
+        None when there is no such step yet (the caller's default applies).
+        """
+        if len(self._history) < self.lag:
+            return self.default_capacity
+        lagged = self._history[0]  # (M',) sorted positive survivals of step t - lag
+        theta = _theta_curve(lagged, num_requests, self.sps_table)
+        return int(torch.argmax(theta))
+
+    def choose(self, confidences: torch.Tensor | None, num_candidates: torch.Tensor) -> torch.Tensor:
+        confidences, n = _check_confidences(confidences, num_candidates, "AsyncTopKScheduler")
+        capacity = self.capacity(confidences.shape[0])  # before this step's survivals are seen
+        survival = survival_from_confidences(confidences, n)
+        rows, positions, sorted_a = _admission_path(survival)
+        count = sorted_a.numel() if capacity is None else min(capacity, sorted_a.numel())
+        self.last_capacity = capacity
+        self._history.append(sorted_a.cpu())
+        return _lengths_from_path(rows, positions, count, survival.shape).to(num_candidates.device)

@@ -1,0 +1,204 @@
+"""The SPS cost table: target steps per second as a function of batch tokens.
+
+The hardware-aware scheduler (paper §3.2.2, Algorithm 1) maximises the
+expected token throughput Theta = tau * SPS(B), where B is the number of
+tokens the target verifies in one forward pass (each request contributes its
+anchor plus its verified drafts). SPS(B) is profiled once at start-up and kept
+as a small table.
+
+File format: exactly SGLang's ``dspark_sps.json`` (interop-facts §5)::
+
+    {"sample_batch_tokens": [1, 8, 16, ...],   # strictly increasing ints >= 1
+     "sample_steps_per_sec": [52.1, 50.3, ...], # one positive float per sample
+     "max_batch_tokens": 512}                  # >= the largest sample
+
+Lookup is a floor step: SPS(B) is the value of the largest sample <= B;
+below the first sample it is the first value. One deliberate difference from
+SGLang, which clamps to the last value: beyond ``max_batch_tokens`` SPS(B) is
+0, so a throughput-maximising planner never schedules more tokens than the
+engine can run in one step.
+
+Without a profiled table, ``SPSTable.flat()`` ([1] -> 1.0, SGLang's
+"uninitialised" table) makes every admission with positive survival raise
+Theta, i.e. verify-all.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+import statistics
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+#: max_batch_tokens of the flat table: no capacity limit in practice
+UNLIMITED_BATCH_TOKENS = 2**31 - 1
+
+_JSON_KEYS = ("sample_batch_tokens", "sample_steps_per_sec", "max_batch_tokens")
+_ADDITIVE_KEYS = {"bias_seconds", "bs_probes", "alpha_seconds", "m_probes", "theta_seconds"}
+
+
+@dataclass(frozen=True)
+class SPSTable:
+    """Floor-step table of target steps per second against batch tokens."""
+
+    sample_batch_tokens: tuple[int, ...]
+    sample_steps_per_sec: tuple[float, ...]
+    max_batch_tokens: int
+
+    def __post_init__(self) -> None:
+        # accept lists, store tuples (the table is hashable and immutable)
+        object.__setattr__(self, "sample_batch_tokens", tuple(self.sample_batch_tokens))
+        object.__setattr__(self, "sample_steps_per_sec", tuple(self.sample_steps_per_sec))
+        tokens, sps = self.sample_batch_tokens, self.sample_steps_per_sec
+        if not tokens:
+            raise ValueError("SPS table needs at least one sample; use SPSTable.flat() for no table")
+        if len(tokens) != len(sps):
+            raise ValueError(
+                f"sample_batch_tokens and sample_steps_per_sec must have equal length, "
+                f"got {len(tokens)} vs {len(sps)}"
+            )
+        for b in tokens:
+            if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+                raise ValueError(f"sample_batch_tokens must be integers >= 1, got {list(tokens)}")
+        if any(b1 >= b2 for b1, b2 in zip(tokens, tokens[1:])):
+            raise ValueError(f"sample_batch_tokens must be strictly increasing, got {list(tokens)}")
+        for s in sps:
+            if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s) or s <= 0:
+                raise ValueError(
+                    f"sample_steps_per_sec must be finite positive numbers, got {list(sps)}"
+                )
+        object.__setattr__(self, "sample_steps_per_sec", tuple(float(s) for s in sps))
+        mbt = self.max_batch_tokens
+        if isinstance(mbt, bool) or not isinstance(mbt, int) or mbt < tokens[-1]:
+            raise ValueError(
+                f"max_batch_tokens must be an integer >= the largest sample ({tokens[-1]}), "
+                f"got {mbt!r}"
+            )
+
+    # ---------------------------------------------------------------- lookup
+    def sps(self, batch_tokens: int) -> float:
+        """Steps per second at ``batch_tokens`` (floor step; 0 beyond capacity)."""
+        if batch_tokens > self.max_batch_tokens:
+            return 0.0
+        idx = bisect.bisect_right(self.sample_batch_tokens, batch_tokens) - 1
+        return self.sample_steps_per_sec[max(idx, 0)]
+
+    def sps_tensor(self, batch_tokens: torch.Tensor) -> torch.Tensor:
+        """Vectorised ``sps``: int tensor of any shape -> float64 tensor of the same shape."""
+        probes = torch.tensor(self.sample_batch_tokens, dtype=torch.int64, device=batch_tokens.device)
+        values = torch.tensor(self.sample_steps_per_sec, dtype=torch.float64, device=batch_tokens.device)
+        b = batch_tokens.to(torch.int64)
+        idx = (torch.bucketize(b, probes, right=True) - 1).clamp_(0, probes.numel() - 1)
+        return torch.where(b > self.max_batch_tokens, torch.zeros_like(values[idx]), values[idx])
+
+    @property
+    def is_flat(self) -> bool:
+        """True for a one-sample table: the planner then verifies everything."""
+        return len(self.sample_batch_tokens) == 1
+
+    # ------------------------------------------------------------ constructors
+    @classmethod
+    def flat(cls, max_batch_tokens: int = UNLIMITED_BATCH_TOKENS) -> SPSTable:
+        """The no-table fallback [1] -> 1.0 (verify-all), as SGLang's uninitialised table."""
+        return cls((1,), (1.0,), max_batch_tokens)
+
+    # --------------------------------------------------------------------- json
+    def to_dict(self) -> dict:
+        return {
+            "sample_batch_tokens": list(self.sample_batch_tokens),
+            "sample_steps_per_sec": list(self.sample_steps_per_sec),
+            "max_batch_tokens": self.max_batch_tokens,
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+    @classmethod
+    def from_dict(cls, data: dict) -> SPSTable:
+        if not isinstance(data, dict):
+            raise ValueError(f"SPS table JSON must be an object, got {type(data).__name__}")
+        if _ADDITIVE_KEYS & data.keys():
+            raise ValueError(
+                "this is SGLang's additive cost-table format (bias_seconds/bs_probes/...), which "
+                "is not supported; profile a floor-step table with `dspark profile-sps`"
+            )
+        missing = [k for k in _JSON_KEYS if k not in data]
+        unknown = sorted(set(data) - set(_JSON_KEYS))
+        if missing or unknown:
+            raise ValueError(
+                f"SPS table JSON must have exactly the keys {list(_JSON_KEYS)}; "
+                f"missing {missing}, unknown {unknown}"
+            )
+        for key in ("sample_batch_tokens", "sample_steps_per_sec"):
+            if not isinstance(data[key], list):
+                raise ValueError(f"SPS table key {key!r} must be a list, got {data[key]!r}")
+        return cls(data["sample_batch_tokens"], data["sample_steps_per_sec"], data["max_batch_tokens"])
+
+    @classmethod
+    def from_json(cls, text: str) -> SPSTable:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"SPS table is not valid JSON: {e}") from e
+        return cls.from_dict(data)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json() + "\n", encoding="utf-8")
+
+    @classmethod
+    def load(cls, path: str | Path) -> SPSTable:
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"SPS table file {path} does not exist; profile one with `dspark profile-sps`")
+        try:
+            return cls.from_json(path.read_text(encoding="utf-8"))
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from e
+
+
+def profile_sps(
+    step_fn: Callable[[int], object],
+    batch_token_grid: Iterable[int],
+    repeats: int = 5,
+    warmup: int = 1,
+    max_batch_tokens: int | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> SPSTable:
+    """Time ``step_fn(batch_tokens)`` on each grid point and build the table.
+
+    ``step_fn`` runs one target step over ``batch_tokens`` tokens and must
+    return only when the work is done (on a GPU: synchronise inside it).
+    Each grid point gets ``warmup`` untimed calls and ``repeats`` timed ones;
+    steps_per_sec = 1 / median step time (SGLang's convention).
+    ``max_batch_tokens`` defaults to the largest grid point. ``clock`` is
+    injectable for tests.
+    """
+    grid = sorted(int(b) for b in batch_token_grid)
+    if not grid:
+        raise ValueError("batch_token_grid is empty; pass the batch sizes (in tokens) to profile")
+    if grid[0] < 1:
+        raise ValueError(f"batch_token_grid entries must be >= 1, got {grid[0]}")
+    if len(set(grid)) != len(grid):
+        raise ValueError(f"batch_token_grid has duplicates: {grid}")
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
+    steps_per_sec = []
+    for b in grid:
+        for _ in range(warmup):
+            step_fn(b)
+        times = []
+        for _ in range(repeats):
+            start = clock()
+            step_fn(b)
+            times.append(clock() - start)
+        median = statistics.median(times)
+        if median <= 0:
+            raise ValueError(f"median step time at {b} batch tokens is {median} s; the clock is too coarse")
+        steps_per_sec.append(1.0 / median)
+    return SPSTable(tuple(grid), tuple(steps_per_sec), grid[-1] if max_batch_tokens is None else max_batch_tokens)

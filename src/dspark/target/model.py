@@ -1,0 +1,172 @@
+"""The frozen target model: logits, chosen hidden states, final hidden state, KV caches.
+
+Loading never runs code from a model folder: the architecture is our own
+(``dspark.modeling``), weights come from safetensors, the tokenizer is loaded
+with ``trust_remote_code=False``.
+
+Shapes: N = tokens in a flattened batch, M = tokens whose logits are asked
+for, H = hidden size, V = vocabulary, F = len(layer ids) * H.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dspark.errors import ModelLoadError, PromptError
+from dspark.modeling.decoder import CausalLM
+from dspark.modeling.kv_cache import KVCache
+from dspark.modeling.spec import DecoderSpec, spec_from_config
+from dspark.modeling.weights import load_into, load_state_dict, read_config
+from dspark.target.convert import resolve_model_path
+
+
+@dataclass
+class TargetOutput:
+    logits: torch.Tensor | None  # (M, V) at the positions asked for
+    last_hidden: torch.Tensor  # (N, H) final-normed (pre-LM-head) state
+    features: torch.Tensor | None  # (N, F) outputs of target_layer_ids, concatenated in id order
+
+
+def default_target_layer_ids(num_layers: int, count: int = 5) -> list[int]:
+    """``count`` layers spread evenly from layer 1 to L-3 (DESIGN.md §2)."""
+    if num_layers < 4:
+        return list(range(num_layers))[:count]
+    last = num_layers - 3
+    return sorted({round(1 + i * (last - 1) / (count - 1)) for i in range(count)})
+
+
+class TargetModel:
+    def __init__(self, model: CausalLM, tokenizer, name: str, path: Path | None,
+                 eos_token_ids: list[int], max_context: int) -> None:
+        self.model = model.eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.name = name
+        self.path = path
+        self.eos_token_ids = eos_token_ids
+        self.max_context = max_context
+
+    @property
+    def spec(self) -> DecoderSpec:
+        return self.model.spec
+
+    @property
+    def vocab_size(self) -> int:
+        return self.spec.vocab_size
+
+    @property
+    def hidden_size(self) -> int:
+        return self.spec.hidden_size
+
+    @property
+    def num_layers(self) -> int:
+        return self.spec.num_layers
+
+    def default_layer_ids(self, count: int = 5) -> list[int]:
+        return default_target_layer_ids(self.num_layers, count)
+
+    def new_cache(self, capacity: int = 256) -> KVCache:
+        return self.model.new_cache(capacity, max_length=self.max_context)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (N,) int64, requests concatenated
+        seq_lens: list[int],
+        caches: list[KVCache] | None,
+        capture_layers: list[int] | None = None,
+        logits_for: str = "all",  # "all" | "last" (last token of each request) | "none"
+    ) -> TargetOutput:
+        last_hidden, features = self.model.model(input_ids, seq_lens, caches, capture_layers)
+        if logits_for == "all":
+            logits = self.model.logits(last_hidden)
+        elif logits_for == "last":
+            ends = torch.tensor(seq_lens).cumsum(0) - 1
+            logits = self.model.logits(last_hidden[ends])
+        else:
+            logits = None
+        return TargetOutput(logits=logits, last_hidden=last_hidden, features=features)
+
+    def encode_chat(self, user_message: str) -> list[int]:
+        """First-turn prompt: one user message through the chat template (interop §3)."""
+        if not user_message or not user_message.strip():
+            raise PromptError("the prompt is empty")
+        tok = self.tokenizer
+        if tok.chat_template:
+            ids = tok.apply_chat_template(
+                [{"role": "user", "content": user_message}], add_generation_prompt=True, tokenize=True,
+            )
+            if isinstance(ids, dict) or hasattr(ids, "keys"):
+                ids = ids["input_ids"]
+            return list(ids)
+        return tok.encode(user_message, add_special_tokens=True)
+
+    def encode_text(self, text: str) -> list[int]:
+        if not text:
+            raise PromptError("the prompt is empty")
+        return self.tokenizer.encode(text, add_special_tokens=True)
+
+    def check_prompt(self, prompt_ids: list[int], max_new_tokens: int = 0) -> None:
+        if not prompt_ids:
+            raise PromptError("the prompt is empty")
+        if len(prompt_ids) >= self.max_context:
+            raise PromptError(
+                f"the prompt has {len(prompt_ids)} tokens but the model's context is {self.max_context}; shorten it"
+            )
+        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise PromptError(f"token ids {bad[:5]} are outside the vocabulary of {self.vocab_size}")
+
+
+def _eos_ids(folder: Path, cfg: dict, tokenizer) -> list[int]:
+    ids: list[int] = []
+    gen = folder / "generation_config.json"
+    sources = [json.loads(gen.read_text())] if gen.is_file() else []
+    sources.append(cfg)
+    for src in sources:
+        eos = src.get("eos_token_id")
+        if eos is not None:
+            ids.extend(eos if isinstance(eos, list) else [eos])
+            break
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return sorted(set(int(i) for i in ids))
+
+
+def build_model(spec: DecoderSpec, state: dict[str, torch.Tensor], what: str,
+                dtype: torch.dtype = torch.float32) -> CausalLM:
+    model = CausalLM(spec)
+    state = {k.removeprefix("model.language_model.").removeprefix("language_model."): v for k, v in state.items()}
+    state = {(k if k.startswith(("model.", "lm_head.")) else f"model.{k}"): v for k, v in state.items()}
+    if spec.tie_word_embeddings or "lm_head.weight" not in state:
+        state["lm_head.weight"] = state.get("model.embed_tokens.weight")
+        if state["lm_head.weight"] is None:
+            raise ModelLoadError(f"{what}: no embed_tokens weight in the checkpoint")
+        if not spec.tie_word_embeddings:  # untied model without lm_head: share explicitly
+            model.lm_head.weight = model.model.embed_tokens.weight
+    load_into(model, state, what)
+    return model.to(dtype)
+
+
+def load_tokenizer(folder: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)
+    except Exception as err:
+        raise ModelLoadError(f"cannot load the tokenizer from {folder}: {err}") from None
+
+
+def load_target(name_or_path: str, dtype: torch.dtype = torch.float32, tokenizer: bool = True) -> TargetModel:
+    """Load a preset (e.g. ``smollm2-135m``) or a local HF causal-LM folder."""
+    folder = resolve_model_path(name_or_path)
+    cfg = read_config(folder)
+    spec = spec_from_config(cfg)
+    model = build_model(spec, load_state_dict(folder), f"target {name_or_path}", dtype)
+    tok = load_tokenizer(folder) if tokenizer else None
+    if tok is not None and len(tok) > spec.vocab_size:
+        raise ModelLoadError(f"tokenizer has {len(tok)} tokens but the model's vocabulary is {spec.vocab_size}")
+    return TargetModel(model, tok, name_or_path, folder, _eos_ids(folder, cfg, tok), spec.max_position_embeddings)

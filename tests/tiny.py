@@ -1,0 +1,45 @@
+"""Tiny random-weight models for fast tests (seconds on CPU)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from dspark.modeling.decoder import CausalLM
+from dspark.modeling.spec import spec_from_config
+from dspark.target.model import TargetModel
+
+TINY_LLAMA = {
+    "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 96, "hidden_size": 32,
+    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+    "intermediate_size": 64, "rms_norm_eps": 1e-6, "max_position_embeddings": 512,
+    "rope_theta": 10000.0, "tie_word_embeddings": False, "eos_token_id": 1, "bos_token_id": 0,
+}
+
+
+def tiny_config(**overrides) -> dict:
+    return {**TINY_LLAMA, **overrides}
+
+
+def tiny_target(seed: int = 0, sharp: float = 4.0, **overrides) -> TargetModel:
+    """A random target. ``sharp`` scales the LM head so distributions are peaked, like a real LM's."""
+    torch.manual_seed(seed)
+    cfg = tiny_config(**overrides)
+    model = CausalLM(spec_from_config(cfg))
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(sharp)
+    return TargetModel(model, None, "tiny", None, [cfg["eos_token_id"]], cfg["max_position_embeddings"])
+
+
+def save_hf_folder(path: Path, cfg: dict, seed: int = 0) -> Path:
+    """Write a real HF folder (transformers' own class) for loader tests."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(**cfg)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
