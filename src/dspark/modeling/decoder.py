@@ -44,7 +44,7 @@ class Decoder(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # (N,) -> (N, H)
         x = self.embed_tokens(input_ids)
         if self.spec.embed_scale != 1.0:
-            x = x * torch.tensor(self.spec.embed_scale, dtype=x.dtype)
+            x = x * torch.tensor(self.spec.embed_scale).to(x.dtype)  # float32 first, as transformers rounds it
         return x
 
     def forward(

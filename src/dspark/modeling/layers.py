@@ -10,6 +10,8 @@ query / KV heads, D = head dim, S = key length.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -34,19 +36,21 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(rope: RopeSpec, head_dim: int) -> torch.Tensor:  # (D/2,)
-    inv = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    """Inverse frequencies, computed in float32 step for step as transformers does (bitwise equal)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim  # (D/2,)
+    inv = 1.0 / (rope.theta**exponents)
     if rope.rope_type == "linear":
         inv = inv / rope.factor
-    elif rope.rope_type == "llama3":
+    elif rope.rope_type == "llama3":  # Llama 3.1: scale low frequencies, interpolate the middle band
         old = rope.original_max_position_embeddings
         low_wl, high_wl = old / rope.low_freq_factor, old / rope.high_freq_factor
-        wavelen = 2 * torch.pi / inv
+        wavelen = 2 * math.pi / inv
         scaled = torch.where(wavelen > low_wl, inv / rope.factor, inv)
         smooth = (old / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
         mid = (1 - smooth) * scaled / rope.factor + smooth * scaled
         is_mid = (wavelen >= high_wl) & (wavelen <= low_wl)
         inv = torch.where(is_mid, mid, scaled)
-    return inv.float()
+    return inv
 
 
 def apply_rope(
@@ -72,9 +76,10 @@ _ACT = {
 class MLP(nn.Module):
     def __init__(self, spec: DecoderSpec) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+        h, m, bias = spec.hidden_size, spec.intermediate_size, spec.mlp_bias
+        self.gate_proj = nn.Linear(h, m, bias=bias)
+        self.up_proj = nn.Linear(h, m, bias=bias)
+        self.down_proj = nn.Linear(m, h, bias=bias)
         self.act = _ACT[spec.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (N, H)
@@ -91,7 +96,7 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(h, spec.num_heads * d, bias=spec.attention_bias)
         self.k_proj = nn.Linear(h, spec.num_kv_heads * d, bias=spec.attention_bias)
         self.v_proj = nn.Linear(h, spec.num_kv_heads * d, bias=spec.attention_bias)
-        self.o_proj = nn.Linear(spec.num_heads * d, spec.hidden_size, bias=False)
+        self.o_proj = nn.Linear(spec.num_heads * d, spec.hidden_size, bias=spec.attention_out_bias)
         if spec.qk_norm:
             self.q_norm = RMSNorm(d, spec.rms_norm_eps, spec.norm_offset)
             self.k_norm = RMSNorm(d, spec.rms_norm_eps, spec.norm_offset)
@@ -123,18 +128,21 @@ class Attention(nn.Module):
         mask: torch.Tensor | None,  # (T, S) bool, True = may attend; None = all
     ) -> torch.Tensor:  # (T, Hq*D)
         groups = self.num_heads // self.num_kv_heads
-        if self.softcap is None:
+        T, S = q.shape[1], k.shape[1]
+        if self.softcap is None and T > 16:  # long query blocks (prefill): fused kernel
             out = F.scaled_dot_product_attention(
                 q[None], k[None], v[None], attn_mask=mask, scale=self.scale, enable_gqa=groups > 1
             )[0]  # (Hq, T, D)
-        else:  # Gemma2 soft-capping needs the explicit score matrix
-            if groups > 1:
-                k, v = k.repeat_interleave(groups, 0), v.repeat_interleave(groups, 0)
-            scores = (q @ k.transpose(-1, -2)) * self.scale  # (Hq, T, S)
-            scores = torch.tanh(scores / self.softcap) * self.softcap
+        else:  # decode/verify blocks: grouped matmuls, no K/V repeat (faster than SDPA on CPU here)
+            qg = q.reshape(self.num_kv_heads, groups * T, self.head_dim)  # (Hkv, g*T, D)
+            scores = (qg @ k.transpose(-1, -2)) * self.scale  # (Hkv, g*T, S)
+            if self.softcap is not None:  # Gemma2 soft-capping
+                scores = torch.tanh(scores / self.softcap) * self.softcap
+            scores = scores.view(self.num_kv_heads, groups, T, S)
             if mask is not None:
                 scores = scores.masked_fill(~mask, float("-inf"))
-            out = torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
+            probs = torch.softmax(scores.float(), dim=-1).to(q.dtype).view(self.num_kv_heads, groups * T, S)
+            out = (probs @ v).view(self.num_heads, T, self.head_dim)
         return out.transpose(0, 1).reshape(q.shape[1], -1)
 
 

@@ -15,9 +15,11 @@ def read_config(folder: Path) -> dict:
     if not path.is_file():
         raise ModelLoadError(f"{folder} has no config.json: expected a Hugging Face model folder")
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ModelLoadError(f"{path} is not valid JSON ({err})") from None
+        return json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as err:  # JSONDecodeError, or bytes that are not UTF-8 at all
+        raise ModelLoadError(f"{path} is not valid JSON ({err}); restore the model's config.json") from None
+    except OSError as err:
+        raise ModelLoadError(f"cannot read {path}: {err}") from None
 
 
 def load_state_dict(folder: Path) -> dict[str, torch.Tensor]:

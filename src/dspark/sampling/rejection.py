@@ -161,13 +161,12 @@ def _final_distribution(
     target_probs: torch.Tensor,  # (R, K+1, V)
 ) -> torch.Tensor:  # (R, V) unnormalised: sample_from_probs scales by the row total
     """Residual norm(max(target - draft, 0)) where rejected, else the target row (bonus)."""
-    R, K, V = draft_probs.shape
-    rows = torch.arange(R, device=num_accepted.device)
-    target_row = target_probs[rows, num_accepted]  # (R, V)
+    K = draft_probs.shape[1]
+    target_row = _select_rows(target_probs, num_accepted)  # (R, V)
     target_row = target_row if target_row.dtype == torch.float64 else target_row.float()
     if K == 0:
         return target_row
-    draft_row = draft_probs[rows, num_accepted.clamp_max(K - 1)].to(target_row.dtype)  # (R, V)
+    draft_row = _select_rows(draft_probs, num_accepted.clamp_max(K - 1)).to(target_row.dtype)  # (R, V)
     residual = (target_row - draft_row).clamp_min(0.0)  # (R, V)
     # fall back to the target when the residual has (numerically) no mass; also shields
     # all-accepted rows from padding garbage in draft_probs
@@ -175,17 +174,36 @@ def _final_distribution(
     return torch.where(use_residual[:, None], residual, target_row)
 
 
+def _select_rows(
+    probs: torch.Tensor,  # (R, J, V)
+    index: torch.Tensor,  # (R,) in 0..J-1
+) -> torch.Tensor:  # (R, V) = probs[r, index[r]]
+    """Row picking; index_select on a flat view is much faster on CPU than advanced indexing."""
+    R, J, V = probs.shape
+    try:
+        flat = probs.view(R * J, V)
+    except RuntimeError:  # e.g. a stride-0 expanded tensor
+        return probs.gather(1, index[:, None, None].expand(R, 1, V)).squeeze(1)
+    return flat.index_select(0, torch.arange(R, device=index.device) * J + index)
+
+
 def _sample_rows(
     probs: torch.Tensor,  # (R, V)
     groups: list[tuple[torch.Generator | None, list[int]]],
-) -> torch.Tensor:  # (R,) int64 on the generators' device
+) -> torch.Tensor:  # (R,) int64 on the CPU
     """One token per row with ``sample_from_probs``, each row drawing from its own generator."""
     R = probs.shape[0]
     tokens = torch.empty(R, dtype=torch.long)
+    on_device: dict[torch.device, torch.Tensor] = {}  # one copy of probs per generator device
     for gen, rows in groups:
+        device = _device_of(gen)
+        if device not in on_device:
+            on_device[device] = probs.to(device)
+        if len(rows) == 1:  # the usual case: one generator per request
+            tokens[rows[0]] = sample_from_probs(on_device[device][rows[0] : rows[0] + 1], gen)[0].cpu()
+            continue
         index = torch.tensor(rows)
-        rows_probs = probs[index.to(probs.device)].to(_device_of(gen))
-        tokens[index] = sample_from_probs(rows_probs, gen).cpu()
+        tokens[index] = sample_from_probs(on_device[device].index_select(0, index.to(device)), gen).cpu()
     return tokens
 
 

@@ -86,11 +86,11 @@ def survival_from_confidences(
     """Cumulative survival (§3.2.2); padding gets survival 0 and is never admitted."""
     conf = confidences.to(torch.float64)
     valid = torch.arange(conf.shape[1], device=conf.device)[None, :] < num_candidates.to(conf.device)[:, None]
-    conf_valid = conf[valid]
-    if conf_valid.numel() and not bool(((conf_valid >= 0) & (conf_valid <= 1)).all()):
+    conf = torch.where(valid, conf, 0.0)
+    if not bool(((conf >= 0) & (conf <= 1)).all()):  # NaN fails too
         raise ValueError("confidences must lie in [0, 1] (apply the sigmoid and STS before scheduling)")
     # c <= 1, so the product never increases along j (exactly, also in floating point)
-    return torch.where(valid, conf, torch.zeros_like(conf)).cumprod(dim=1)
+    return conf.cumprod(dim=1)
 
 
 def _admission_path(survival: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -113,13 +113,19 @@ def _theta_curve(sorted_a: torch.Tensor, num_requests: int, sps_table: SPSTable)
 
     tau(b) = R + sum of the b admitted survivals, B(b) = R + b (§3.2.2).
     """
-    tau = num_requests + torch.cat([sorted_a.new_zeros(1), sorted_a.cumsum(0)])  # (M + 1,)
+    # summed in admission order from R, as Algorithm 1 accumulates tau* (lines 5, 8)
+    tau = torch.cat([sorted_a.new_full((1,), float(num_requests)), sorted_a]).cumsum(0)  # (M + 1,)
     batch_tokens = num_requests + torch.arange(tau.numel(), device=tau.device)  # (M + 1,)
     return tau * sps_table.sps_tensor(batch_tokens)
 
 
-def _lengths_from_path(rows: torch.Tensor, positions: torch.Tensor, count: int, shape: tuple[int, int]) -> torch.Tensor:
-    """verify_len (R,) from admitting the first ``count`` path entries."""
+def _lengths_from_path(
+    rows: torch.Tensor,  # (M,) request of each path entry
+    positions: torch.Tensor,  # (M,) 0-based draft position j - 1
+    count: int,
+    shape: tuple[int, int],  # (R, K)
+) -> torch.Tensor:  # (R,) int64
+    """verify_len from admitting the first ``count`` path entries."""
     R, K = shape
     admitted = torch.zeros(R, K, dtype=torch.bool, device=rows.device)
     admitted[rows[:count], positions[:count]] = True

@@ -26,6 +26,7 @@ Theta, i.e. verify-all.
 from __future__ import annotations
 
 import bisect
+import functools
 import json
 import math
 import statistics
@@ -91,11 +92,20 @@ class SPSTable:
 
     def sps_tensor(self, batch_tokens: torch.Tensor) -> torch.Tensor:
         """Vectorised ``sps``: int tensor of any shape -> float64 tensor of the same shape."""
-        probes = torch.tensor(self.sample_batch_tokens, dtype=torch.int64, device=batch_tokens.device)
-        values = torch.tensor(self.sample_steps_per_sec, dtype=torch.float64, device=batch_tokens.device)
+        probes, values = self._tensors
+        if batch_tokens.device != probes.device:
+            probes, values = probes.to(batch_tokens.device), values.to(batch_tokens.device)
         b = batch_tokens.to(torch.int64)
-        idx = (torch.bucketize(b, probes, right=True) - 1).clamp_(0, probes.numel() - 1)
-        return torch.where(b > self.max_batch_tokens, torch.zeros_like(values[idx]), values[idx])
+        idx = (torch.bucketize(b, probes, right=True) - 1).clamp_(min=0)
+        return values[idx].masked_fill_(b > self.max_batch_tokens, 0.0)
+
+    @functools.cached_property
+    def _tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(probes int64, values float64) on the CPU, built once."""
+        return (
+            torch.tensor(self.sample_batch_tokens, dtype=torch.int64),
+            torch.tensor(self.sample_steps_per_sec, dtype=torch.float64),
+        )
 
     @property
     def is_flat(self) -> bool:
@@ -201,4 +211,5 @@ def profile_sps(
         if median <= 0:
             raise ValueError(f"median step time at {b} batch tokens is {median} s; the clock is too coarse")
         steps_per_sec.append(1.0 / median)
-    return SPSTable(tuple(grid), tuple(steps_per_sec), grid[-1] if max_batch_tokens is None else max_batch_tokens)
+    capacity = grid[-1] if max_batch_tokens is None else max_batch_tokens
+    return SPSTable(tuple(grid), tuple(steps_per_sec), capacity)

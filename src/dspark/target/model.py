@@ -136,6 +136,9 @@ def _eos_ids(folder: Path, cfg: dict, tokenizer) -> list[int]:
     return sorted(set(int(i) for i in ids))
 
 
+_DECODER_PREFIXES = ("model.embed_tokens.", "model.layers.", "model.norm.", "lm_head.")
+
+
 def build_model(spec: DecoderSpec, state: dict[str, torch.Tensor], what: str,
                 dtype: torch.dtype = torch.float32) -> CausalLM:
     model = CausalLM(spec)
@@ -147,6 +150,15 @@ def build_model(spec: DecoderSpec, state: dict[str, torch.Tensor], what: str,
             raise ModelLoadError(f"{what}: no embed_tokens weight in the checkpoint")
         if not spec.tie_word_embeddings:  # untied model without lm_head: share explicitly
             model.lm_head.weight = model.model.embed_tokens.weight
+    # A decoder tensor we would not use (a bias, an extra norm) means the architecture differs from
+    # what the config made us build: refuse rather than run without it. Vision towers etc. may stay.
+    own = model.state_dict()
+    unused = [k for k in state if k.startswith(_DECODER_PREFIXES) and k not in own and not k.endswith("inv_freq")]
+    if unused:
+        raise ModelLoadError(
+            f"{what}: the checkpoint has weights this architecture does not use: "
+            f"{unused[:5]}{'...' if len(unused) > 5 else ''}; config.json does not describe these weights"
+        )
     load_into(model, state, what)
     return model.to(dtype)
 

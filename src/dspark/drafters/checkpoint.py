@@ -1,0 +1,147 @@
+"""Helpers shared by the trainable drafters (DSpark/DFlash, Eagle3): configs and checkpoints.
+
+Checkpoints use DeepSpec's layout (interop-facts §1): ``model.safetensors`` with
+no ``model.`` prefix and a ``config.json`` that is a copy of the target's HF
+config with ``architectures``, ``num_hidden_layers`` (the draft's) and the
+draft's own keys added at the top level.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from dspark.errors import IncompatibleModelsError
+from dspark.modeling.spec import SUPPORTED, DecoderSpec
+from dspark.modeling.weights import load_state_dict, read_config
+
+
+def check_layer_ids(layer_ids: list[int], num_target_layers: int | None = None) -> None:
+    if not layer_ids:
+        raise ValueError("target_layer_ids must not be empty")
+    if any(b <= a for a, b in zip(layer_ids, layer_ids[1:])):
+        raise ValueError(f"target_layer_ids must be strictly increasing, got {layer_ids}")
+    if layer_ids[0] < 0:
+        raise ValueError(
+            f"target_layer_ids {layer_ids}: -1 (the embedding output) is not supported; use decoder layers 0.."
+        )
+    if num_target_layers is not None and layer_ids[-1] >= num_target_layers:
+        raise ValueError(f"target_layer_ids {layer_ids} exceed the target's {num_target_layers} layers")
+
+
+
+_ARCH_PREFIX = {"qwen3": "Qwen3", "qwen2": "Qwen2", "llama": "Llama", "mistral": "Mistral",
+                "gemma": "Gemma", "gemma2": "Gemma2", "gemma3_text": "Gemma3"}
+
+
+def arch_name(model_type: str, suffix: str) -> str:
+    """``Qwen3DSparkModel`` for a Qwen3 target (DeepSpec), ``LlamaDSparkModel`` for Llama, ..."""
+    return f"{_ARCH_PREFIX.get(model_type, 'Generic')}{suffix}"
+
+
+def spec_to_hf_config(spec: DecoderSpec) -> dict[str, Any]:
+    """An HF-style config dict that ``spec_from_config`` turns back into ``spec``."""
+    cfg: dict[str, Any] = {
+        "model_type": spec.model_type, "vocab_size": spec.vocab_size, "hidden_size": spec.hidden_size,
+        "num_hidden_layers": spec.num_layers, "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads, "head_dim": spec.head_dim,
+        "intermediate_size": spec.intermediate_size, "rms_norm_eps": spec.rms_norm_eps,
+        "hidden_act": spec.hidden_act, "attention_bias": spec.attention_bias,
+        "tie_word_embeddings": spec.tie_word_embeddings,
+        "max_position_embeddings": spec.max_position_embeddings, "layer_types": list(spec.layer_types),
+        "sliding_window": spec.sliding_window,
+    }
+    if spec.model_type.startswith("gemma"):
+        cfg["hidden_activation"] = spec.hidden_act
+    if spec.attn_scale is not None:
+        cfg["query_pre_attn_scalar"] = spec.attn_scale**-2
+    if spec.attn_softcap is not None:
+        cfg["attn_logit_softcapping"] = spec.attn_softcap
+    if spec.final_softcap is not None:
+        cfg["final_logit_softcapping"] = spec.final_softcap
+    ropes = {t: dataclasses.asdict(r) for t, r in spec.rope.items()}
+    for r in ropes.values():
+        r["rope_theta"] = r.pop("theta")
+    full = ropes.get("full_attention")
+    if all(r == full for r in ropes.values()):
+        cfg["rope_theta"] = full["rope_theta"]
+        cfg["rope_parameters"] = full
+    else:
+        cfg["rope_parameters"] = ropes
+    return cfg
+
+
+def target_base_config(target) -> dict[str, Any]:
+    """The target's HF config (DeepSpec deep-copies it into the draft's config.json), else one built from its spec."""
+    path = getattr(target, "path", None)
+    if path is not None and (Path(path) / "config.json").is_file():
+        cfg = read_config(Path(path))
+        if "text_config" in cfg and cfg.get("model_type") not in SUPPORTED:
+            cfg = dict(cfg["text_config"])
+        cfg = copy.deepcopy(cfg)
+        for key in ("auto_map", "quantization_config", "_name_or_path", "_model_name_or_path"):
+            cfg.pop(key, None)
+        return cfg
+    return spec_to_hf_config(target.spec)
+
+
+def draft_spec_from(target_spec: DecoderSpec, num_layers: int) -> DecoderSpec:
+    """The target's architecture with ``num_layers`` full-attention layers and an untied head."""
+    return dataclasses.replace(
+        target_spec, num_layers=num_layers, layer_types=["full_attention"] * num_layers,
+        tie_word_embeddings=False, rope=dict(target_spec.rope),
+    )
+
+
+def write_checkpoint(folder: Path, state: dict[str, torch.Tensor], config: dict[str, Any],
+                     dtype: torch.dtype) -> None:
+    """``model.safetensors`` + ``config.json`` (DeepSpec layout); the caller makes it atomic."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().to("cpu", dtype).contiguous().clone() for k, v in state.items()}
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = {**config, "torch_dtype": str(dtype).removeprefix("torch."), "dtype": str(dtype).removeprefix("torch.")}
+    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def read_checkpoint_state(folder: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a drafter folder in float32, any ``model.`` prefix removed."""
+    state = load_state_dict(Path(folder))
+    return {k.removeprefix("model."): v.float() for k, v in state.items()}
+
+
+def check_target_fit(what: str, *, hidden_size: int, vocab_size: int, target_layer_ids: list[int],
+                     num_target_layers: int | None, target) -> None:
+    """Raise IncompatibleModelsError when a drafter checkpoint cannot serve ``target``."""
+    problems = []
+    if hidden_size != target.hidden_size:
+        problems.append(f"hidden size {hidden_size} vs the target's {target.hidden_size}")
+    if vocab_size != target.vocab_size:
+        problems.append(f"vocabulary {vocab_size} vs the target's {target.vocab_size}")
+    if num_target_layers is not None and num_target_layers != target.num_layers:
+        problems.append(f"it was trained on a target with {num_target_layers} layers, this one has {target.num_layers}")
+    bad = [i for i in target_layer_ids if not 0 <= i < target.num_layers]
+    if bad:
+        problems.append(f"target_layer_ids {bad} do not exist in a {target.num_layers}-layer target")
+    if problems:
+        raise IncompatibleModelsError(
+            f"{what} does not fit the target {getattr(target, 'name', '')!r}: " + "; ".join(problems)
+            + ". Use the target the drafter was trained for, or train a drafter for this target."
+        )
+
+
+def init_weights(module: nn.Module, std: float, generator: torch.Generator | None) -> None:
+    """HF-style init: Linear/Embedding ~ N(0, std), zero biases; norms keep their ones/zeros."""
+    for m in module.modules():
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, 0.0, std, generator=generator)
+            if getattr(m, "bias", None) is not None:
+                nn.init.zeros_(m.bias)

@@ -1,0 +1,133 @@
+"""DSpark / DFlash drafting inside the speculative loop (DESIGN.md §1.1, interop-facts §3 "Draft step").
+
+Shapes: R = requests, G = trained block size (gamma), K = drafts proposed this
+step (<= G), V = vocabulary, H = hidden size, F = target-feature width,
+n = committed positions fed to the target (context length).
+
+Per request the drafter keeps the projected context keys/values of every draft
+layer in ``req.draft_state`` (a ``KVCache``). The context only grows (the loop
+appends the target features of each committed position), so each step projects
+just the new rows. The block [anchor, mask x (G-1)] runs at positions
+start..start+G-1, start = len(req.tokens) - 1 (the anchor's position), and sees
+the whole context (positions 0..start-1) with no mask. The sequential head then
+samples left to right, eq. (4): draft k comes from
+``logits_to_probs(U_k + B_k(x_{k-1}))`` with the request's sampling parameters and
+generator; those exact distributions are returned as ``draft_probs``, so the
+rejection sampler stays lossless. DFlash (no head) samples every slot from U_k.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from dspark.drafters.base import DraftBlock, RequestState
+from dspark.drafters.dspark_model import AttentionGroup, DSparkModel
+from dspark.modeling.kv_cache import KVCache
+from dspark.sampling.processing import logits_to_probs, sample_from_probs
+
+
+class DSparkDrafter:
+    def __init__(self, model: DSparkModel, block_size: int | None = None) -> None:
+        trained = model.config.block_size
+        if block_size is not None and not 1 <= block_size <= trained:
+            raise ValueError(
+                f"block size {block_size} is not possible with this drafter: it was trained with block_size "
+                f"{trained}, so it can propose 1..{trained} tokens per step"
+            )
+        self.model = model.eval().requires_grad_(False)
+        self.block_size = block_size or trained
+        self.target_layer_ids = model.target_layer_ids
+        self.vocab_size = model.spec.vocab_size
+        self.has_confidence = model.confidence_head is not None
+
+    def _context_cache(self, req: RequestState) -> KVCache:
+        """The request's projected context, brought up to its ``context_features``."""
+        feats = req.context_features
+        if feats is None:
+            raise RuntimeError(
+                f"request {req.request_id} has no context_features; the loop must capture "
+                f"target layers {self.target_layer_ids} for a DSpark drafter"
+            )
+        m, n = self.model, feats.shape[0]
+        cache = req.draft_state
+        if not isinstance(cache, KVCache) or cache.length > n:  # first use (or a state that is not ours)
+            s = m.spec
+            cap = n + req.sampling.max_new_tokens + self.block_size + 2
+            cache = KVCache(s.num_layers, s.num_kv_heads, s.head_dim, cap, m.fc.weight.dtype)
+            req.draft_state = cache
+        start = cache.length
+        if n > start:
+            context = m.project_context(feats[start:n])  # (n_new, H)
+            positions = torch.arange(start, n)
+            cache.reserve(n - start)
+            for layer_idx in range(m.spec.num_layers):
+                k, v = m.context_kv(layer_idx, context, positions)  # (Hkv, n_new, D)
+                cache.keys[layer_idx, :, start:n] = k
+                cache.values[layer_idx, :, start:n] = v
+            cache.length = n
+        return cache
+
+    @torch.inference_mode()
+    def propose(self, requests: list[RequestState], max_tokens: list[int]) -> DraftBlock:
+        m, G = self.model, self.model.config.block_size
+        R = len(requests)
+        want = [max(0, min(int(t), self.block_size)) for t in max_tokens]
+        K = max(want, default=0)
+        tokens = torch.zeros(R, K, dtype=torch.long)
+        draft_probs = torch.zeros(R, K, self.vocab_size)
+        conf_logits = torch.zeros(R, K) if self.has_confidence else None
+        if K == 0:
+            return DraftBlock(tokens, torch.tensor(want, dtype=torch.long), draft_probs, conf_logits)
+
+        groups, ids, positions = [], [], []
+        for req in requests:
+            cache = self._context_cache(req)
+            start = len(req.tokens) - 1  # position of the anchor
+            if cache.length != start:
+                raise RuntimeError(
+                    f"request {req.request_id}: {cache.length} context features for an anchor at position {start}"
+                )
+            groups.append(AttentionGroup(
+                G, lambda layer_idx, c=cache: (c.keys[layer_idx, :, : c.length], c.values[layer_idx, :, : c.length]),
+                None,
+            ))
+            ids.append(torch.tensor([req.anchor] + [m.config.mask_token_id] * (G - 1), dtype=torch.long))
+            positions.append(torch.arange(start, start + G))
+        x = m.embed(torch.cat(ids))  # (R*G, H)
+        hidden = m.backbone(x, torch.cat(positions), groups).view(R, G, -1)  # (R, G, H)
+
+        prev = torch.tensor([req.anchor for req in requests], dtype=torch.long)  # x_{-1} = anchor
+        state = None
+        for k in range(K):
+            state, logits, conf = m.head_step(state, hidden[:, k], prev)  # (R, V), (R,)
+            if conf_logits is not None:
+                conf_logits[:, k] = conf
+            nxt = prev.clone()
+            for r, req in enumerate(requests):
+                if k >= want[r]:
+                    continue
+                s = req.sampling
+                probs = logits_to_probs(logits[r], s.temperature, s.top_k, s.top_p)  # eq. (4)
+                tok = int(sample_from_probs(probs, req.generator))
+                tokens[r, k], draft_probs[r, k], nxt[r] = tok, probs, tok
+            prev = nxt
+        if conf_logits is not None:
+            conf_logits *= (torch.arange(K)[None, :] < torch.tensor(want)[:, None])
+        return DraftBlock(tokens, torch.tensor(want, dtype=torch.long), draft_probs, conf_logits)
+
+
+def load_dspark_drafter(path: str | Path, target, block_size: int | None = None) -> DSparkDrafter:
+    """Load a DSpark or DFlash checkpoint (DeepSpec layout) as a drafter for ``target``.
+
+    ``block_size`` None = the checkpoint's; smaller values propose fewer tokens per step
+    (the trained block still runs in full).
+    """
+    model = DSparkModel.from_checkpoint(Path(path), target)
+    return DSparkDrafter(model.to(target.model.lm_head.weight.dtype), block_size)
+
+
+def save_dspark_checkpoint(model: DSparkModel, folder: str | Path, dtype: torch.dtype = torch.float32) -> None:
+    """Write ``model`` to ``folder`` as model.safetensors + config.json (DeepSpec layout)."""
+    model.save_checkpoint(Path(folder), dtype)

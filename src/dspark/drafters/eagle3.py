@@ -1,0 +1,105 @@
+"""Eagle3 drafting inside the speculative loop: a chain of <= gamma autoregressive drafts (interop-facts §4).
+
+Shapes: R = requests, K = drafts this step, V = vocabulary, H = hidden size,
+n = committed positions fed to the target (len(tokens) - 1).
+
+Per request, ``req.draft_state`` holds the draft's own KV cache over the committed
+context: entry j (at RoPE position j) is built from the fused target feature f_j and
+the token x_{j+1}, so entries 0..n-1 exist once the loop has appended the features
+of every committed position. Each step:
+
+1. catch up: run the new entries (causal, cached); the output at entry n-1 (feature
+   f_{n-1}, token = the anchor) is the hidden state of the first draft;
+2. draft 1 ~ logits_to_probs(lm_head(norm(h))); draft s+1 comes from one more layer
+   pass on (embed(draft s), the previous output hidden) at position n-1+s, whose
+   key is appended to the cache;
+3. roll the cache back to n entries: the chain's entries depend on drafts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from dspark.drafters.base import DraftBlock, RequestState
+from dspark.drafters.eagle3_model import Eagle3Model
+from dspark.modeling.kv_cache import KVCache
+from dspark.sampling.processing import logits_to_probs, sample_from_probs
+
+
+class Eagle3Drafter:
+    def __init__(self, model: Eagle3Model, block_size: int | None = None) -> None:
+        if block_size is not None and block_size < 1:
+            raise ValueError(f"block size must be >= 1, got {block_size}")
+        self.model = model.eval().requires_grad_(False)
+        self.block_size = block_size or model.config.block_size
+        self.target_layer_ids = model.target_layer_ids
+        self.vocab_size = model.spec.vocab_size
+
+    def _cache(self, req: RequestState) -> tuple[KVCache, int]:
+        """The request's draft cache, and how many context entries it still lacks."""
+        feats = req.context_features
+        if feats is None:
+            raise RuntimeError(
+                f"request {req.request_id} has no context_features; the loop must capture "
+                f"target layers {self.target_layer_ids} for an Eagle3 drafter"
+            )
+        n = len(req.tokens) - 1
+        if feats.shape[0] != n:
+            raise RuntimeError(f"request {req.request_id}: {feats.shape[0]} context features for {n} fed tokens")
+        cache = req.draft_state
+        if not isinstance(cache, KVCache):
+            cache = self.model.new_cache(n + req.sampling.max_new_tokens + self.block_size + 2)
+            req.draft_state = cache
+        if cache.length >= n:  # nothing new (or stale state): recompute the last entry to get its output
+            cache.truncate(max(n - 1, 0))
+        return cache, n
+
+    @torch.inference_mode()
+    def propose(self, requests: list[RequestState], max_tokens: list[int]) -> DraftBlock:
+        m = self.model
+        R = len(requests)
+        want = [max(0, min(int(t), self.block_size)) for t in max_tokens]
+        K = max(want, default=0)
+        tokens = torch.zeros(R, K, dtype=torch.long)
+        draft_probs = torch.zeros(R, K, self.vocab_size)
+        if K == 0:
+            return DraftBlock(tokens, torch.tensor(want, dtype=torch.long), draft_probs)
+        active = [r for r in range(R) if want[r] > 0]
+        caches, lens, ids, feats = [], [], [], []
+        for r in active:
+            req = requests[r]
+            cache, n = self._cache(req)
+            start = cache.length
+            caches.append(cache)
+            lens.append(n - start)
+            ids.append(torch.tensor(req.tokens[start + 1 : n + 1], dtype=torch.long))  # x_{j+1}
+            feats.append(req.context_features[start:n])  # f_j
+        out = m.cached_forward(torch.cat(ids), m.fuse(torch.cat(feats)), lens, caches)  # (N, H)
+        hidden = out[torch.tensor(lens).cumsum(0) - 1]  # (A, H) output at entry n-1 of each request
+
+        for k in range(K):
+            if k > 0:
+                active_k = [i for i, r in enumerate(active) if want[r] > k]
+                if not active_k:
+                    break
+                prev = tokens[[active[i] for i in active_k], k - 1]
+                hidden = m.cached_forward(prev, hidden[active_k], [1] * len(active_k), [caches[i] for i in active_k])
+                active, caches = [active[i] for i in active_k], [caches[i] for i in active_k]
+            logits = m.logits(hidden)  # (A, V)
+            for i, r in enumerate(active):
+                s = requests[r].sampling
+                probs = logits_to_probs(logits[i], s.temperature, s.top_k, s.top_p)
+                tokens[r, k] = int(sample_from_probs(probs, requests[r].generator))
+                draft_probs[r, k] = probs
+        for r in range(R):  # drop the chain's entries: keep the committed context only
+            if want[r] > 0:
+                requests[r].draft_state.truncate(len(requests[r].tokens) - 1)
+        return DraftBlock(tokens, torch.tensor(want, dtype=torch.long), draft_probs)
+
+
+def load_eagle3_drafter(path: str | Path, target, block_size: int | None = None) -> Eagle3Drafter:
+    """Load an Eagle3 checkpoint (DeepSpec layout) as a drafter for ``target``; block_size None = checkpoint's."""
+    model = Eagle3Model.from_checkpoint(Path(path), target)
+    return Eagle3Drafter(model.to(target.model.lm_head.weight.dtype), block_size)

@@ -1,0 +1,397 @@
+"""The Eagle3 draft model and its training-time-test (TTT) loss (interop-facts §4).
+
+Shapes: L = sequence length, N = tokens, H = hidden size, F = len(target_layer_ids) * H,
+V = vocabulary, Hq / Hkv / D = query heads / KV heads / head dim, T = ttt_length.
+
+Architecture (DeepSpec ``Qwen3Eagle3Model``): fused features fc(concat target layers)
+(F -> H, no bias) enter as the hidden state; each layer attends over
+concat(input_layernorm(embed(token)), hidden_norm(hidden)) (2H wide into q/k/v) with
+the hidden state as residual; logits = lm_head(norm(h)). Full vocabulary, no d2t/t2d;
+embed_tokens and lm_head are frozen copies of the target's. DeepSpec requires exactly
+5 target layers; any strictly increasing list works here (small targets have fewer).
+
+Sequence convention. Position i pairs the target feature f_i (target saw x_0..x_i) with
+token x_{i+1} and predicts x_{i+2}; its teacher is the target's distribution at i+1,
+softmax(lm_head(target_last_hidden[i+1])). TTT step s (0-based) shifts the tokens by s
+more, feeds back the previous step's output hidden state, and uses RoPE position i+s.
+At step s, query i sees the step-0 keys j <= i (causal) and its own keys of steps
+1..s (the "diagonal"); that is exactly what the autoregressive chain at inference
+sees, so training and drafting agree. Loss: sum_s decay^s * sum_i mask * softCE / L.
+
+Names: ``embed_tokens``, ``fc``, ``layers.{i}.{self_attn,mlp,hidden_norm,input_layernorm,
+post_attention_layernorm}``, ``norm``, ``lm_head``.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from dspark.drafters.checkpoint import (
+    arch_name,
+    check_layer_ids,
+    check_target_fit,
+    draft_spec_from,
+    init_weights,
+    read_checkpoint_state,
+    target_base_config,
+    write_checkpoint,
+)
+from dspark.errors import ModelLoadError
+from dspark.modeling.decoder import causal_mask
+from dspark.modeling.kv_cache import KVCache
+from dspark.modeling.layers import MLP, Attention, RMSNorm
+from dspark.modeling.spec import DecoderSpec, spec_from_config
+from dspark.modeling.weights import load_into, read_config
+from dspark.training.losses import chunked_soft_cross_entropy, eagle3_step_weight
+from dspark.training.sample import TrainSample
+
+
+@dataclass
+class Eagle3Config:
+    ttt_length: int = 7  # training-time-test steps
+    step_loss_decay: float = 0.8  # weight of step s is decay ** s
+    draft_num_hidden_layers: int = 1
+    target_layer_ids: list[int] | None = None  # None: target.default_layer_ids()
+    block_size: int = 7  # drafts per step at inference (chain length)
+
+    def __post_init__(self) -> None:
+        if self.ttt_length < 1:
+            raise ValueError(f"ttt_length must be >= 1, got {self.ttt_length}")
+        if not 0.0 < self.step_loss_decay <= 1.0:
+            raise ValueError(f"step_loss_decay must be in (0, 1], got {self.step_loss_decay}")
+        if self.draft_num_hidden_layers < 1:
+            raise ValueError(f"draft_num_hidden_layers must be >= 1, got {self.draft_num_hidden_layers}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.target_layer_ids is not None:
+            self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+            check_layer_ids(self.target_layer_ids)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "Eagle3Config":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown Eagle3 config keys {unknown}; known keys: {sorted(known)}")
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class Eagle3Layer(nn.Module):
+    """Pre-norm decoder layer whose attention reads [input_layernorm(embed); hidden_norm(hidden)]."""
+
+    def __init__(self, spec: DecoderSpec, layer_idx: int) -> None:
+        super().__init__()
+        eps, off, H = spec.rms_norm_eps, spec.norm_offset, spec.hidden_size
+        self.self_attn = Attention(spec, layer_idx, in_features=2 * H)
+        self.mlp = MLP(spec)
+        self.hidden_norm = RMSNorm(H, eps, off)
+        self.input_layernorm = RMSNorm(H, eps, off)
+        self.post_attention_layernorm = RMSNorm(H, eps, off)
+
+    def attn_input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:  # (N, H) x2 -> (N, 2H)
+        return torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+
+    def finish(self, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:  # (N, H), (N, Hq*D) -> (N, H)
+        h = hidden + self.self_attn.o_proj(attn_out)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+# attention callback: (layer_idx, q (N, Hq, D), k (N, Hkv, D), v (N, Hkv, D)) -> (N, Hq*D)
+AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def ttt_attention(
+    attn: Attention,
+    q: torch.Tensor,  # (L, Hq, D) queries of step s
+    keys: list[torch.Tensor],  # s+1 tensors (L, Hkv, D): step 0 (causal), steps 1..s (diagonal)
+    values: list[torch.Tensor],  # same
+) -> torch.Tensor:  # (L, Hq*D)
+    """Query i sees step-0 keys j <= i and the diagonal keys (position i) of steps 1..s."""
+    L, Hq, D = q.shape
+    Hkv = attn.num_kv_heads
+    g = Hq // Hkv
+    qh = q.transpose(0, 1).reshape(Hkv, g, L, D)  # (Hkv, g, L, D)
+    k0, v0 = keys[0].transpose(0, 1), values[0].transpose(0, 1)  # (Hkv, L, D)
+    scores = torch.einsum("hgld,hmd->hglm", qh, k0) * attn.scale  # (Hkv, g, L, L)
+    diag = [(qh * k.transpose(0, 1)[:, None]).sum(-1) * attn.scale for k in keys[1:]]  # each (Hkv, g, L)
+    if diag:
+        scores = torch.cat([scores, torch.stack(diag, dim=-1)], dim=-1)  # (Hkv, g, L, L + s)
+    if attn.softcap is not None:
+        scores = torch.tanh(scores / attn.softcap) * attn.softcap
+    future = torch.ones(L, L, dtype=torch.bool).triu(1)  # (L, L) j > i
+    scores[..., :L] = scores[..., :L].masked_fill(future, float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    out = probs[..., :L] @ v0[:, None]  # (Hkv, g, L, D)
+    for t, v in enumerate(values[1:]):
+        out = out + probs[..., L + t, None] * v.transpose(0, 1)[:, None]
+    return out.reshape(Hq, L, D).transpose(0, 1).reshape(L, Hq * D)
+
+
+class Eagle3Model(nn.Module):
+    def __init__(self, config: Eagle3Config, spec: DecoderSpec, base_config: dict[str, Any],
+                 num_target_layers: int, target_name: str = "") -> None:
+        super().__init__()
+        if config.target_layer_ids is None:
+            raise ValueError("Eagle3Model needs resolved target_layer_ids; use from_target")
+        if spec.sandwich_norms:
+            raise ValueError(f"Eagle3 drafters are not supported for {spec.model_type} targets (sandwich norms)")
+        self.config = config
+        self.spec = spec
+        self.base_config = base_config
+        self.num_target_layers = num_target_layers
+        self.target_name = target_name
+        H, V = spec.hidden_size, spec.vocab_size
+        self.embed_tokens = nn.Embedding(V, H)
+        self.fc = nn.Linear(len(config.target_layer_ids) * H, H, bias=False)
+        self.layers = nn.ModuleList(Eagle3Layer(spec, i) for i in range(spec.num_layers))
+        self.norm = RMSNorm(H, spec.rms_norm_eps, spec.norm_offset)
+        self.lm_head = nn.Linear(H, V, bias=False)
+
+    # ----------------------------------------------------------------- construction
+
+    @classmethod
+    def from_target(cls, target, cfg: Eagle3Config, generator: torch.Generator | None = None) -> "Eagle3Model":
+        layer_ids = cfg.target_layer_ids if cfg.target_layer_ids is not None else target.default_layer_ids()
+        check_layer_ids(layer_ids, target.num_layers)
+        cfg = dataclasses.replace(cfg, target_layer_ids=list(layer_ids))
+        base = target_base_config(target)
+        model = cls(cfg, draft_spec_from(target.spec, cfg.draft_num_hidden_layers), base, target.num_layers,
+                    str(getattr(target, "name", "")))
+        init_weights(model, float(base.get("initializer_range", 0.02)), generator)
+        model.copy_frozen_from(target)
+        return model.to(target.model.lm_head.weight.dtype)
+
+    def copy_frozen_from(self, target) -> None:
+        with torch.no_grad():
+            self.embed_tokens.weight.copy_(target.model.model.embed_tokens.weight)
+            self.lm_head.weight.copy_(target.model.lm_head.weight)
+        self.embed_tokens.requires_grad_(False)
+        self.lm_head.requires_grad_(False)
+
+    @classmethod
+    def from_checkpoint(cls, folder: Path, target=None) -> "Eagle3Model":
+        folder = Path(folder)
+        cfg_dict = read_config(folder)
+        if cfg_dict.get("target_layer_ids") is None:
+            raise ModelLoadError(f"{folder}/config.json lacks 'target_layer_ids': not an Eagle3 checkpoint")
+        try:
+            n_layers = int(cfg_dict.get("draft_num_hidden_layers", cfg_dict["num_hidden_layers"]))
+            config = Eagle3Config(
+                ttt_length=int(cfg_dict.get("ttt_length", 7)),
+                step_loss_decay=float(cfg_dict.get("step_loss_decay", 0.8)),
+                draft_num_hidden_layers=n_layers,
+                target_layer_ids=[int(i) for i in cfg_dict["target_layer_ids"]],
+                block_size=int(cfg_dict.get("block_size", cfg_dict.get("ttt_length", 7))),
+            )
+        except (ValueError, KeyError) as err:
+            raise ModelLoadError(f"{folder}/config.json: invalid Eagle3 settings ({err})") from None
+        spec = spec_from_config({**cfg_dict, "num_hidden_layers": n_layers})
+        num_target_layers = cfg_dict.get("num_target_layers")
+        if target is not None:
+            check_target_fit(f"Eagle3 drafter {folder}", hidden_size=spec.hidden_size, vocab_size=spec.vocab_size,
+                             target_layer_ids=config.target_layer_ids, num_target_layers=num_target_layers,
+                             target=target)
+        if num_target_layers is None:
+            num_target_layers = target.num_layers if target is not None else max(config.target_layer_ids) + 1
+        base = {k: v for k, v in cfg_dict.items() if k not in _DRAFT_KEYS}
+        model = cls(config, spec, base, int(num_target_layers), str(cfg_dict.get("target_model_name_or_path", "")))
+        state = read_checkpoint_state(folder)
+        frozen = ("embed_tokens.", "lm_head.")
+        load_into(model, state, f"Eagle3 drafter {folder}", allow_missing=frozen if target is not None else ())
+        if target is not None and any(f"{p}weight" not in state for p in frozen):
+            model.copy_frozen_from(target)
+        model.embed_tokens.requires_grad_(False)
+        model.lm_head.requires_grad_(False)
+        return model.float()
+
+    # ----------------------------------------------------------------- pieces
+
+    @property
+    def target_layer_ids(self) -> list[int]:
+        return list(self.config.target_layer_ids)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:  # (N,) -> (N, H)
+        x = self.embed_tokens(ids)
+        if self.spec.embed_scale != 1.0:
+            x = x * torch.tensor(self.spec.embed_scale, dtype=x.dtype)
+        return x
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:  # (N, F) -> (N, H)
+        return self.fc(features.to(self.fc.weight.dtype))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (N, H) -> (N, V)
+        out = self.lm_head(self.norm(hidden))
+        if self.spec.final_softcap:
+            out = torch.tanh(out / self.spec.final_softcap) * self.spec.final_softcap
+        return out
+
+    def _target_logits(self, target_hidden: torch.Tensor) -> torch.Tensor:  # (N, H) final-normed -> (N, V)
+        out = self.lm_head(target_hidden.to(self.lm_head.weight.dtype))
+        if self.spec.final_softcap:
+            out = torch.tanh(out / self.spec.final_softcap) * self.spec.final_softcap
+        return out
+
+    def run_layers(
+        self,
+        ids: torch.Tensor,  # (N,) input tokens
+        hidden: torch.Tensor,  # (N, H) fused features (first step) or fed-back hidden states
+        positions: torch.Tensor,  # (N,) RoPE positions
+        attend: AttendFn,
+    ) -> torch.Tensor:  # (N, H) output hidden (pre-norm), fed back at the next step
+        embeds = self.embed(ids)
+        for layer_idx, layer in enumerate(self.layers):
+            x = layer.attn_input(embeds, hidden)  # (N, 2H)
+            q = layer.self_attn.project_q(x, positions)
+            k, v = layer.self_attn.project_kv(x, positions)
+            hidden = layer.finish(hidden, attend(layer_idx, q, k, v))
+        return hidden
+
+    # ----------------------------------------------------------------- training
+
+    def ttt_hidden_states(self, sample: TrainSample) -> list[torch.Tensor]:
+        """Output hidden states of every TTT step, each (L, H) (tests, analysis)."""
+        return [h for h, _ in self._ttt_steps(sample)]
+
+    def _ttt_steps(self, sample: TrainSample):
+        """Yield (hidden (L, H), step ids) for s = 0..T-1."""
+        L = sample.seq_len
+        ids = sample.input_ids
+        step_ids = torch.cat([ids[1:], ids.new_zeros(1)])  # (L,) position i holds x_{i+1}
+        hidden = self.fuse(sample.target_features)  # (L, H)
+        base_pos = torch.arange(L)
+        keys: list[list[torch.Tensor]] = [[] for _ in self.layers]
+        values: list[list[torch.Tensor]] = [[] for _ in self.layers]
+
+        def attend(layer_idx, q, k, v):
+            keys[layer_idx].append(k)
+            values[layer_idx].append(v)
+            return ttt_attention(self.layers[layer_idx].self_attn, q, keys[layer_idx], values[layer_idx])
+
+        for s in range(self.config.ttt_length):
+            hidden = self.run_layers(step_ids, hidden, base_pos + s, attend)
+            yield hidden, step_ids
+            step_ids = torch.cat([step_ids[1:], step_ids.new_zeros(1)])
+
+    def training_loss(self, sample: TrainSample, generator: torch.Generator | None = None
+                      ) -> tuple[torch.Tensor, dict[str, float]]:
+        """sum_s decay^s * (sum_i mask_s[i] softCE_s[i]) / L (DeepSpec normalises by B*T); metrics acc@s."""
+        L = sample.seq_len
+        cfg = self.config
+        # mask of step 0 at position i: loss_mask[i] and a next position exists; step s shifts it by s
+        mask0 = sample.loss_mask.bool().clone()
+        mask0[-1] = False
+        total = self._zero_loss()
+        metrics: dict[str, float] = {}
+        expected, alive = torch.zeros(()), None
+        for s, (hidden, _) in enumerate(self._ttt_steps(sample)):
+            mask = torch.cat([mask0[s:], mask0.new_zeros(min(s, L))])[:L]  # (L,) = mask0[i + s]
+            rows = mask.nonzero().squeeze(-1)  # (M,)
+            if rows.numel() == 0:
+                continue
+            # teacher: the target's distribution at i + 1 + s (the token x_{i+2+s})
+            ce, acc = chunked_soft_cross_entropy(self.logits, self._target_logits, hidden[rows],
+                                                 sample.target_last_hidden[rows + 1 + s])
+            step_loss = ce.sum() / L
+            total = total + eagle3_step_weight(s, cfg.step_loss_decay) * step_loss
+            metrics[f"ploss_{s}"] = float(step_loss.detach())
+            metrics[f"acc@{s}"] = float(acc.mean())
+            if s == 0:
+                alive = torch.zeros(L)
+                alive[rows] = 1.0
+                starts = alive.sum()
+            step_acc = torch.zeros(L)
+            step_acc[rows] = acc.float()
+            alive = alive * step_acc  # chains that start at i: prod of acceptances up to step s
+            expected = expected + alive.sum()
+        if alive is not None and float(starts) > 0:
+            metrics["tau"] = float(1.0 + expected / starts)
+        metrics["loss"] = float(total.detach())
+        return total, metrics
+
+    def _zero_loss(self) -> torch.Tensor:
+        return sum((p.sum() * 0.0 for p in self.trainable_parameters()), torch.zeros(()))
+
+    def forward(self, sample: TrainSample, generator: torch.Generator | None = None
+                ) -> tuple[torch.Tensor, dict[str, float]]:
+        """Same as ``training_loss`` (DDP/FSDP hook ``forward``)."""
+        return self.training_loss(sample, generator)
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        frozen = {id(self.embed_tokens.weight), id(self.lm_head.weight)}
+        return [p for p in self.parameters() if id(p) not in frozen]
+
+    # ----------------------------------------------------------------- inference pieces
+
+    def new_cache(self, capacity: int) -> KVCache:
+        s = self.spec
+        return KVCache(s.num_layers, s.num_kv_heads, s.head_dim, capacity, self.fc.weight.dtype)
+
+    def cached_forward(
+        self,
+        ids: torch.Tensor,  # (N,) requests concatenated
+        hidden: torch.Tensor,  # (N, H)
+        seq_lens: list[int],
+        caches: list[KVCache],
+    ) -> torch.Tensor:  # (N, H)
+        """Causal forward of new entries appended to each request's draft cache (positions = cache index)."""
+        starts = [c.length for c in caches]
+        for c, n in zip(caches, seq_lens):
+            c.reserve(n)
+        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, seq_lens)])
+
+        def attend(layer_idx, q, k, v):
+            attn = self.layers[layer_idx].self_attn
+            outs, offset = [], 0
+            for c, s, n in zip(caches, starts, seq_lens):
+                c.keys[layer_idx, :, s : s + n] = k[offset : offset + n].transpose(0, 1)
+                c.values[layer_idx, :, s : s + n] = v[offset : offset + n].transpose(0, 1)
+                mask = causal_mask(positions[offset : offset + n], s + n, None)
+                outs.append(attn.attend(q[offset : offset + n].transpose(0, 1),
+                                        c.keys[layer_idx, :, : s + n], c.values[layer_idx, :, : s + n], mask))
+                offset += n
+            return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+        out = self.run_layers(ids, hidden, positions, attend)
+        for c, n in zip(caches, seq_lens):
+            c.length += n
+        return out
+
+    # ----------------------------------------------------------------- checkpoint
+
+    def hf_config(self) -> dict[str, Any]:
+        cfg, n = self.config, self.spec.num_layers
+        out = copy.deepcopy(self.base_config)
+        out.update({
+            "architectures": [arch_name(self.spec.model_type, "Eagle3Model")],
+            "num_hidden_layers": n,
+            "layer_types": ["full_attention"] * n,
+            "tie_word_embeddings": False,
+            "target_layer_ids": list(cfg.target_layer_ids),
+            "ttt_length": cfg.ttt_length,
+            "step_loss_decay": cfg.step_loss_decay,
+            "draft_num_hidden_layers": cfg.draft_num_hidden_layers,
+            "target_model_name_or_path": self.target_name,
+            "num_target_layers": self.num_target_layers,
+            "block_size": cfg.block_size,
+        })
+        return out
+
+    def save_checkpoint(self, folder: Path, dtype: torch.dtype = torch.float32) -> None:
+        """Write model.safetensors + config.json (DeepSpec layout; pass dtype=torch.bfloat16 for DeepSpec's bf16)."""
+        write_checkpoint(Path(folder), self.state_dict(), self.hf_config(), dtype)
+
+
+_DRAFT_KEYS = {
+    "architectures", "target_layer_ids", "ttt_length", "step_loss_decay", "draft_num_hidden_layers",
+    "target_model_name_or_path", "num_target_layers", "block_size", "torch_dtype", "dtype",
+}

@@ -1,0 +1,109 @@
+"""Profile the SPS table of a real target: steps per second against batch tokens.
+
+One profiled "step" is what a serving verify pass costs: ``target.forward``
+over a flattened batch of R requests x (gamma + 1) tokens (anchor + gamma
+drafts), logits for every position, against warm KV caches that already hold
+``context_len`` tokens each; the caches are rolled back after every call so
+the context length stays fixed. This is SGLang's profiling grid
+(batch_tokens = running requests x (gamma + 1), interop-facts §5); ``dense``
+also times every token count in between (R = ceil(B / (gamma + 1)) requests,
+the last one shorter), which makes the floor-step lookup exact between the
+SGLang samples at the price of a longer profile.
+
+Shapes: N = tokens in a profiled batch.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from dspark.scheduler.sps import SPSTable, profile_sps
+from dspark.target.model import TargetModel
+
+
+def _device(target: TargetModel) -> torch.device:
+    return next(target.model.parameters()).device
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def batch_token_grid(block_size: int, max_requests: int, dense: bool = False) -> list[int]:
+    """Batch sizes (in tokens) to time: R * (gamma + 1) for R = 1..max_requests, or every count up to it."""
+    if block_size < 0 or max_requests < 1:
+        raise ValueError(f"need block_size >= 0 and max_requests >= 1, got {block_size}, {max_requests}")
+    window = block_size + 1
+    if dense:
+        return list(range(1, max_requests * window + 1))
+    return [r * window for r in range(1, max_requests + 1)]
+
+
+def profile_target(
+    target: TargetModel,
+    block_size: int = 7,
+    max_requests: int = 16,
+    context_len: int = 256,
+    repeats: int = 5,
+    warmup: int = 1,
+    capture_layers: list[int] | None = None,  # the drafter's target_layer_ids: verify passes capture them
+    dense: bool = False,
+    seed: int = 0,
+) -> SPSTable:
+    """Time verify passes of ``target`` and return the SPS table (1 / median step time per grid point)."""
+    window = block_size + 1
+    if context_len < 1:
+        raise ValueError(f"context_len must be >= 1, got {context_len}")
+    if context_len + window > target.max_context:
+        raise ValueError(
+            f"context_len {context_len} + {window} verify tokens exceeds the model's context of "
+            f"{target.max_context}; profile with a shorter --context-len"
+        )
+    grid = batch_token_grid(block_size, max_requests, dense)
+    device = _device(target)
+    gen = torch.Generator().manual_seed(seed)
+    V = target.vocab_size
+
+    # warm caches: max_requests random contexts, prefilled a few requests at a time
+    caches = [target.new_cache(context_len + window + 1) for _ in range(max_requests)]
+    chunk = max(1, 4096 // context_len)
+    for start in range(0, max_requests, chunk):
+        part = caches[start : start + chunk]
+        ids = torch.randint(V, (len(part) * context_len,), generator=gen).to(device)  # (N,)
+        target.forward(ids, [context_len] * len(part), part, None, logits_for="none")
+    pool = torch.randint(V, (grid[-1],), generator=gen).to(device)  # (N_max,) verify-token ids
+
+    def step(batch_tokens: int) -> None:
+        num_requests = math.ceil(batch_tokens / window)
+        seq_lens = [window] * (num_requests - 1) + [batch_tokens - window * (num_requests - 1)]
+        used = caches[:num_requests]
+        target.forward(pool[:batch_tokens], seq_lens, used, capture_layers, logits_for="all")
+        _sync(device)
+        for cache in used:
+            cache.truncate(context_len)
+
+    return profile_sps(step, grid, repeats=repeats, warmup=warmup)
+
+
+def load_or_profile(
+    path: str | Path | None,
+    target: TargetModel,
+    block_size: int,
+    max_requests: int,
+    capture_layers: list[int] | None = None,
+    context_len: int = 128,
+    repeats: int = 3,
+    log=print,
+) -> SPSTable:
+    """The table in ``path`` if given, else a quick profile (fewer repeats, shorter context)."""
+    if path is not None:
+        return SPSTable.load(path)
+    log(f"[dspark] no --sps-table: profiling {max_requests} requests x {block_size + 1} tokens "
+        f"at context {context_len} (save one with `dspark profile`)")
+    context_len = max(1, min(context_len, target.max_context - block_size - 2))
+    return profile_target(target, block_size, max_requests, context_len, repeats=repeats, warmup=1,
+                          capture_layers=capture_layers)

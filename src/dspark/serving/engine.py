@@ -1,0 +1,476 @@
+"""Continuous-batching engine: one background thread runs speculative steps over the active batch.
+
+The engine works on token ids only (no tokenizer, no HTTP). Requests join a
+bounded waiting queue with ``submit``; between two steps the engine thread
+
+1. drops cancelled requests (a client that went away frees its slot here),
+2. admits waiting requests up to ``max_batch`` active ones and prefills them
+   (``dspark.generation.step.prefill``: prompt through the target, first token),
+3. runs one ``speculative_step`` (draft -> policy -> flattened verify ->
+   commit; per-request KV caches roll back inside it) over all active requests,
+4. streams each request's committed tokens to its handle and retires the
+   finished ones.
+
+Every request has its own ``torch.Generator`` seeded from its ``seed``. With a
+drafter and policy whose verify lengths depend only on the request itself
+(``all``, ``fixed:N``, ``threshold:T``, deterministic or per-request-seeded
+drafters) a seed reproduces a sampled output whatever else is in the batch;
+``alg1`` / ``async`` size the verification from the whole batch, so there a seed
+reproduces the output only for the same batch schedule (the output
+distribution is the target's either way). Greedy output never depends on the
+batch.
+
+Handles deliver ``StreamEvent``s either to an asyncio queue (``submit(...,
+loop=...)``: the server) or to a thread-safe queue (tests, scripts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+import traceback
+from collections import deque
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import asdict, dataclass, field
+
+from dspark.drafters.base import Drafter, NoDrafter, RequestState
+from dspark.errors import DSparkError, PromptError
+from dspark.evaluation.metrics import AcceptanceStats
+from dspark.generation.step import VerifyPolicy, prefill, speculative_step
+from dspark.modeling.kv_cache import KVCache
+from dspark.sampling.processing import SamplingParams
+from dspark.target.model import TargetModel
+
+log = logging.getLogger("dspark.serving")
+
+#: initial KV-cache room for generated tokens; caches grow by doubling beyond it
+_INITIAL_GEN_CAPACITY = 256
+
+
+class QueueFullError(DSparkError):
+    """The waiting queue is full; the server answers 429."""
+
+
+class EngineClosedError(DSparkError):
+    """The engine is shutting down or stopped; the server answers 503."""
+
+
+@dataclass
+class EngineConfig:
+    max_batch: int = 8  # most requests in the active batch
+    max_queue: int = 64  # most requests waiting for a slot; beyond it submit() raises QueueFullError
+    draft_cap: int | None = None  # most draft tokens per request per step (None: the drafter's block size)
+
+    def __post_init__(self) -> None:
+        if self.max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
+        if self.max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
+        if self.draft_cap is not None and self.draft_cap < 0:
+            raise ValueError(f"draft_cap must be >= 0 or None, got {self.draft_cap}")
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    """Tokens committed for one request since its last event; the last event has a finish_reason."""
+
+    token_ids: list[int]
+    finish_reason: str | None = None  # None while running; "stop" | "length" | "cancelled" | "abort" | "error"
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class RequestHandle:
+    """The caller's side of one request: its event stream and ``cancel``."""
+
+    def __init__(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
+                 engine: "Engine", loop: asyncio.AbstractEventLoop | None) -> None:
+        self.request_id = request_id
+        self.prompt_ids = prompt_ids
+        self.sampling = sampling
+        self.submitted_at = time.perf_counter()
+        self.stats: AcceptanceStats | None = None  # per-request acceptance, set by the engine
+        self._engine = engine
+        self._loop = loop
+        self._aqueue: asyncio.Queue[StreamEvent] | None = asyncio.Queue() if loop is not None else None
+        self._squeue: queue.Queue[StreamEvent] | None = queue.Queue() if loop is None else None
+        self._cancel_reason: str | None = None
+        self._done = False
+
+    # -------------------------------------------------------- engine side
+    def _emit(self, event: StreamEvent) -> None:
+        if self._done:
+            return
+        self._done = event.finished
+        if self._squeue is not None:
+            self._squeue.put(event)
+            return
+        try:
+            self._loop.call_soon_threadsafe(self._aqueue.put_nowait, event)
+        except RuntimeError:  # the consumer's event loop is closed: nobody listens any more
+            self._cancel_reason = self._cancel_reason or "cancelled"
+
+    @property
+    def cancel_reason(self) -> str | None:
+        return self._cancel_reason
+
+    @property
+    def done(self) -> bool:
+        """True once the engine has emitted the finishing event."""
+        return self._done
+
+    # -------------------------------------------------------- caller side
+    def cancel(self, reason: str = "cancelled") -> None:
+        """Stop generating; the slot is freed at the next step boundary. Idempotent."""
+        if self._cancel_reason is None:
+            self._cancel_reason = reason
+            self._engine._on_cancel(self)
+
+    async def stream(self) -> AsyncIterator[StreamEvent]:
+        """Events until the finishing one (needs ``submit(..., loop=...)``)."""
+        if self._aqueue is None:
+            raise RuntimeError("this request was submitted without an event loop; use events()")
+        while True:
+            event = await self._aqueue.get()
+            yield event
+            if event.finished:
+                return
+
+    def events(self, timeout: float | None = None) -> Iterator[StreamEvent]:
+        """Blocking iteration over the events (requests submitted without a loop)."""
+        if self._squeue is None:
+            raise RuntimeError("this request was submitted with an event loop; use stream()")
+        while True:
+            event = self._squeue.get(timeout=timeout)
+            yield event
+            if event.finished:
+                return
+
+    def result(self, timeout: float | None = None) -> tuple[list[int], str]:
+        """Block until done: (generated token ids, finish_reason)."""
+        tokens: list[int] = []
+        for event in self.events(timeout):
+            tokens.extend(event.token_ids)
+            if event.finish_reason == "error":
+                raise RuntimeError(f"request {self.request_id} failed in the engine: {event.error}")
+        return tokens, event.finish_reason
+
+
+@dataclass
+class EngineStats:
+    """Counters since start plus the current batch; ``snapshot`` copies them under the lock."""
+
+    steps: int = 0  # speculative steps (one target verify pass each)
+    request_steps: int = 0  # sum over steps of the batch size
+    verified_tokens: int = 0  # draft tokens sent to verification, sum of l_r
+    accepted_tokens: int = 0  # draft tokens accepted
+    committed_tokens: int = 0  # sum of acceptance lengths tau (bonus included)
+    prompt_tokens: int = 0
+    generation_tokens: int = 0  # tokens streamed to clients (first tokens included)
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    requests: dict[str, int] = field(default_factory=dict)  # outcome -> count ("stop", "rejected", ...)
+    batch_size: int = 0  # active requests now
+    queue_depth: int = 0  # waiting requests now
+    max_batch: int = 0
+    max_queue: int = 0
+
+    @property
+    def avg_acceptance_length(self) -> float:
+        """tau: committed tokens per request-step, bonus included."""
+        return self.committed_tokens / self.request_steps if self.request_steps else 0.0
+
+    @property
+    def avg_verify_len(self) -> float:
+        """Mean l_r: draft tokens verified per request-step (the target checks 1 + l_r)."""
+        return self.verified_tokens / self.request_steps if self.request_steps else 0.0
+
+    @property
+    def avg_batch_size(self) -> float:
+        return self.request_steps / self.steps if self.steps else 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(avg_acceptance_length=self.avg_acceptance_length, avg_verify_len=self.avg_verify_len,
+                 avg_batch_size=self.avg_batch_size)
+        return d
+
+
+@dataclass
+class _Active:
+    handle: RequestHandle
+    state: RequestState
+    cache: KVCache
+
+
+class Engine:
+    """Continuous batching around ``speculative_step``. Use as a context manager or start()/stop()."""
+
+    def __init__(self, target: TargetModel, drafter: Drafter | None = None,
+                 policy: VerifyPolicy | None = None, config: EngineConfig | None = None) -> None:
+        self.target = target
+        self.drafter = drafter or NoDrafter(target.vocab_size)
+        self.policy = policy  # None = verify every proposed draft
+        self.config = config or EngineConfig()
+        self._cv = threading.Condition()
+        self._waiting: deque[RequestHandle] = deque()
+        self._active: list[_Active] = []
+        self._num_active = 0  # len(_active), readable under the lock
+        self._cancel_pending = False
+        self._paused = False
+        self._closing = False
+        self._thread: threading.Thread | None = None
+        self._ids = itertools.count()
+        self._stats = EngineStats(max_batch=self.config.max_batch, max_queue=self.config.max_queue)
+
+    # ================================================================ public API
+    def start(self) -> "Engine":
+        with self._cv:
+            if self._closing:
+                raise EngineClosedError("the engine was stopped; create a new one")
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="dspark-engine", daemon=True)
+                self._thread.start()
+        return self
+
+    def stop(self, timeout: float | None = 30.0) -> None:
+        """Refuse new requests, abort the remaining ones (finish_reason "abort") and join the thread."""
+        with self._cv:
+            self._closing = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        with self._cv:
+            leftovers = [a.handle for a in self._active] + list(self._waiting)
+            self._active.clear()
+            self._waiting.clear()
+            self._num_active = 0
+        for handle in leftovers:
+            self._finish(handle, "abort")
+
+    def __enter__(self) -> "Engine":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._closing
+
+    def pause(self) -> None:
+        """Hold at the next step boundary: nothing is admitted or stepped (cancellations still apply)."""
+        with self._cv:
+            self._paused = True
+
+    def resume(self) -> None:
+        with self._cv:
+            self._paused = False
+            self._cv.notify_all()
+
+    def check_request(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
+        """Raise PromptError if the request can never run (empty, bad ids, too long for the context)."""
+        self.target.check_prompt(prompt_ids, sampling.max_new_tokens)
+        total = len(prompt_ids) + sampling.max_new_tokens
+        if total > self.target.max_context:
+            raise PromptError(
+                f"the prompt has {len(prompt_ids)} tokens and {sampling.max_new_tokens} new tokens were asked for, "
+                f"but the model's context is {self.target.max_context}; ask for at most "
+                f"{self.target.max_context - len(prompt_ids)} new tokens or shorten the prompt"
+            )
+
+    def submit(self, prompt_ids: list[int], sampling: SamplingParams, request_id: str | None = None,
+               loop: asyncio.AbstractEventLoop | None = None) -> RequestHandle:
+        """Queue a request. Raises PromptError, QueueFullError (all slots busy and queue full) or EngineClosedError."""
+        prompt_ids = [int(t) for t in prompt_ids]
+        self.check_request(prompt_ids, sampling)
+        rid = request_id or f"req-{next(self._ids)}"
+        handle = RequestHandle(rid, prompt_ids, sampling, self, loop)
+        with self._cv:
+            if self._closing:
+                self._count_locked("rejected")
+                raise EngineClosedError("the server is shutting down; retry on another replica")
+            if self._num_active + len(self._waiting) >= self.config.max_batch + self.config.max_queue:
+                self._count_locked("rejected")
+                raise QueueFullError(
+                    f"all {self.config.max_batch} slots are busy and {len(self._waiting)} requests are waiting "
+                    f"(max_queue {self.config.max_queue}); retry later"
+                )
+            self._waiting.append(handle)
+            self._stats.queue_depth = len(self._waiting)
+            self._cv.notify_all()
+        return handle
+
+    def generate(self, prompt_ids: list[int], sampling: SamplingParams, timeout: float | None = None) -> list[int]:
+        """Blocking convenience: submit and wait for the generated ids."""
+        return self.submit(prompt_ids, sampling).result(timeout)[0]
+
+    def stats(self) -> EngineStats:
+        with self._cv:
+            snap = EngineStats(**{k: v for k, v in asdict(self._stats).items()})
+            snap.requests = dict(self._stats.requests)
+            return snap
+
+    # ================================================================ engine thread
+    def _on_cancel(self, handle: RequestHandle) -> None:
+        with self._cv:
+            if handle in self._waiting:  # never admitted: drop it now
+                self._waiting.remove(handle)
+                self._stats.queue_depth = len(self._waiting)
+                waiting = True
+            else:
+                waiting = False
+                self._cancel_pending = True
+                self._cv.notify_all()
+        if waiting:
+            self._finish(handle, handle.cancel_reason or "cancelled")
+
+    def _has_work_locked(self) -> bool:
+        if self._closing or self._cancel_pending:
+            return True
+        return not self._paused and bool(self._waiting or self._active)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(self._has_work_locked)
+                if self._closing:
+                    return
+                self._cancel_pending = False
+                admitted: list[RequestHandle] = []
+                if not self._paused:
+                    while self._waiting and self._num_active + len(admitted) < self.config.max_batch:
+                        admitted.append(self._waiting.popleft())
+                    self._num_active += len(admitted)  # slots are held from admission on
+                    self._stats.queue_depth = len(self._waiting)
+                paused = self._paused
+            try:
+                self._retire()
+                if admitted:
+                    self._prefill(admitted)
+                if self._active and not paused:
+                    self._step()
+            except Exception as err:  # noqa: BLE001 - a bug must fail requests, not hang them
+                victims, self._active = self._active, []
+                self._fail(victims, err)
+                self._release_slots(len(victims))
+
+    def _release_slots(self, count: int) -> None:
+        with self._cv:
+            self._num_active -= count
+            self._stats.batch_size = len(self._active)
+
+    def _fail(self, entries: list[_Active], err: Exception) -> None:
+        """An internal error in prefill/step: fail those requests, keep serving the others."""
+        log.error("engine error: %s\n%s", err, traceback.format_exc())
+        for e in entries:
+            self._finish(e.handle, "error", f"{type(err).__name__}: {err}")
+
+    def _prefill(self, admitted: list[RequestHandle]) -> None:
+        live = [h for h in admitted if h.cancel_reason is None]
+        for h in admitted:
+            if h.cancel_reason is not None:
+                self._finish(h, h.cancel_reason)
+        self._release_slots(len(admitted) - len(live))
+        if not live:
+            return
+        block = max(self.drafter.block_size, 0)
+        entries = []
+        for h in live:
+            s = h.sampling
+            state = RequestState(h.request_id, len(h.prompt_ids), list(h.prompt_ids), s, s.make_generator())
+            gen_room = min(s.max_new_tokens, _INITIAL_GEN_CAPACITY) + block + 2
+            cache = self.target.new_cache(min(len(h.prompt_ids) + gen_room, self.target.max_context))
+            h.stats = AcceptanceStats(block_size=max(block, 1))
+            entries.append(_Active(h, state, cache))
+        t0 = time.perf_counter()
+        try:
+            prefill(self.target, [e.state for e in entries], [e.cache for e in entries],
+                    self.drafter.target_layer_ids)
+        except Exception as err:  # noqa: BLE001 - one bad batch must not kill the server
+            self._fail(entries, err)
+            self._release_slots(len(entries))
+            return
+        elapsed = time.perf_counter() - t0
+        self._active.extend(entries)
+        with self._cv:
+            self._stats.prefill_seconds += elapsed
+            self._stats.prompt_tokens += sum(len(h.prompt_ids) for h in live)
+            self._stats.generation_tokens += len(entries)
+            self._stats.batch_size = len(self._active)
+        for e in entries:
+            e.handle._emit(StreamEvent([e.state.tokens[-1]], e.state.finish_reason if e.state.finished else None))
+            if e.state.finished:
+                self._count(e.state.finish_reason)
+        self._retire()
+
+    def _step(self) -> None:
+        batch = self._active
+        try:
+            outcomes, timings = speculative_step(
+                self.target, self.drafter, [a.state for a in batch], [a.cache for a in batch],
+                self.policy, self.config.draft_cap,
+            )
+        except Exception as err:  # noqa: BLE001 - fail this batch, keep the server up
+            self._fail(batch, err)
+            self._active = []
+            self._release_slots(len(batch))
+            return
+        verified = accepted = committed = emitted = 0
+        for a, o in zip(batch, outcomes):
+            # a stop token inside the accepted drafts cuts the step short: count only the drafts kept
+            num_accepted = min(o.num_accepted, o.acceptance_length)
+            a.handle.stats.add_step(o.proposal_len, num_accepted, o.acceptance_length)
+            verified += o.proposal_len
+            accepted += num_accepted
+            committed += o.acceptance_length
+            emitted += len(o.new_tokens)
+            if o.new_tokens or a.state.finished:
+                a.handle._emit(StreamEvent(list(o.new_tokens), a.state.finish_reason if a.state.finished else None))
+            if a.state.finished:
+                self._count(a.state.finish_reason)
+        with self._cv:
+            st = self._stats
+            st.steps += 1
+            st.request_steps += len(batch)
+            st.verified_tokens += verified
+            st.accepted_tokens += accepted
+            st.committed_tokens += committed
+            st.generation_tokens += emitted
+            st.draft_seconds += timings.draft_s
+            st.verify_seconds += timings.verify_s
+        self._retire()
+
+    def _retire(self) -> None:
+        """Drop finished requests (their final event is out) and cancelled ones from the active batch."""
+        keep = []
+        for a in self._active:
+            if a.state.finished:
+                continue
+            if a.handle.cancel_reason is not None:
+                self._finish(a.handle, a.handle.cancel_reason)
+                continue
+            keep.append(a)
+        removed = len(self._active) - len(keep)
+        self._active = keep
+        if removed:
+            self._release_slots(removed)
+
+    def _finish(self, handle: RequestHandle, reason: str, error: str | None = None) -> None:
+        handle._emit(StreamEvent([], reason, error))
+        self._count(reason)
+
+    def _count(self, outcome: str) -> None:
+        with self._cv:
+            self._count_locked(outcome)
+
+    def _count_locked(self, outcome: str) -> None:
+        self._stats.requests[outcome] = self._stats.requests.get(outcome, 0) + 1

@@ -1,0 +1,258 @@
+"""Training configuration: one typed dataclass, JSON presets, ``--set key=value`` overrides.
+
+A config file is a JSON object whose keys are ``TrainConfig`` fields. Keys that
+start with ``_`` are comments (every preset opens with ``"_command"``, the exact
+command that runs it). ``model`` is a sub-dict mapped onto the drafter's own
+config class (``DSparkConfig`` for dspark/dflash, ``Eagle3Config`` for eagle3);
+dotted override keys reach into it (``--set model.block_size=7``). Unknown keys
+are errors, at both levels.
+
+Presets live in ``dspark/configs/*.json`` (package data); ``--config`` takes a
+preset name or a path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import types
+import typing
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from dspark.errors import DSparkError
+
+DRAFTERS = ("dspark", "dflash", "eagle3")
+FEATURE_SOURCES = ("online", "cache")
+DTYPES = ("float32", "bfloat16")
+
+
+class TrainConfigError(DSparkError):
+    """A training config or override the user wrote is invalid."""
+
+
+@dataclass
+class TrainConfig:
+    drafter: str = "dspark"  # dspark | dflash | eagle3
+    target: str = "smollm2-135m"  # preset name or HF folder
+    data: list[str] = field(default_factory=list)  # tokenized dataset path(s), for feature_source "online"
+    out: str = "runs/train"
+    model: dict[str, Any] = field(default_factory=dict)  # -> DSparkConfig / Eagle3Config fields
+    # optimisation (DeepSpec defaults, interop §1)
+    lr: float = 6e-4
+    warmup_ratio: float = 0.04
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    epochs: int = 1
+    max_steps: int | None = None  # overrides epochs when set
+    # global batch in sequences = world_size * grad_accum (one sequence per micro-batch, as DeepSpec)
+    grad_accum: int | None = None
+    global_batch_size: int | None = None  # alternative to grad_accum: grad_accum = global / world_size
+    max_length: int = 4096  # sequences are truncated to this many tokens
+    max_samples: int | None = None  # use only the first N samples of the data (quick runs)
+    seed: int = 42
+    checkpoint_every: int = 1000  # optimizer steps; a checkpoint is always written at the end
+    log_every: int = 10
+    feature_source: str = "online"  # online: run the target per sample | cache: read a feature cache
+    cache_dir: str | None = None  # the feature cache (``dspark data features``) for feature_source "cache"
+    dtype: str = "float32"  # drafter and target compute dtype; the optimizer keeps fp32 master weights
+    device: str = "cpu"  # cpu | cuda | auto
+    time_budget_s: float | None = None  # stop (with a checkpoint) at the first step boundary after this many
+    # seconds of training, counted across resumes: for equal-compute comparisons
+    num_threads: int | None = None  # torch intra-op threads per process
+    find_unused_parameters: bool = False  # DDP option, for models with parameters a loss may not touch
+
+    def __post_init__(self) -> None:
+        if isinstance(self.data, str):
+            self.data = [self.data]
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(msg: str) -> TrainConfigError:
+            return TrainConfigError(f"training config: {msg}")
+
+        if self.drafter not in DRAFTERS:
+            raise bad(f"drafter must be one of {', '.join(DRAFTERS)}, got {self.drafter!r}")
+        if self.feature_source not in FEATURE_SOURCES:
+            raise bad(f"feature_source must be one of {', '.join(FEATURE_SOURCES)}, got {self.feature_source!r}")
+        if self.dtype not in DTYPES:
+            raise bad(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.grad_accum is not None and self.global_batch_size is not None:
+            raise bad("set grad_accum or global_batch_size, not both")
+        for name in ("grad_accum", "global_batch_size", "max_steps", "max_samples"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise bad(f"{name} must be >= 1, got {v}")
+        for name in ("epochs", "max_length", "checkpoint_every", "log_every"):
+            if getattr(self, name) < 1:
+                raise bad(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 <= self.warmup_ratio < 1.0:
+            raise bad(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        if self.lr <= 0:
+            raise bad(f"lr must be > 0, got {self.lr}")
+        if not isinstance(self.model, dict):
+            raise bad("model must be a JSON object of drafter config fields")
+
+    def grad_accum_for(self, world_size: int) -> int:
+        """Micro-batches (sequences) per rank per optimizer step."""
+        if self.global_batch_size is None:
+            return self.grad_accum or 1
+        if self.global_batch_size % world_size:
+            raise TrainConfigError(
+                f"global_batch_size {self.global_batch_size} is not divisible by the {world_size} processes; "
+                "change one of them or set grad_accum instead"
+            )
+        return self.global_batch_size // world_size
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# ---------------------------------------------------------------- loading
+
+def preset_names() -> list[str]:
+    return sorted(p.name.removesuffix(".json") for p in resources.files("dspark").joinpath("configs").iterdir()
+                  if p.name.endswith(".json"))
+
+
+def _read_config_source(name_or_path: str) -> dict[str, Any]:
+    path = Path(name_or_path).expanduser()
+    if path.is_file():
+        text = path.read_text()
+    else:
+        res = resources.files("dspark").joinpath("configs").joinpath(f"{name_or_path.removesuffix('.json')}.json")
+        if not res.is_file():
+            raise TrainConfigError(
+                f"--config {name_or_path!r}: no such file and no such preset; presets: {', '.join(preset_names())}"
+            )
+        text, path = res.read_text(), Path(str(res))
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise TrainConfigError(f"{path} is not valid JSON ({err})") from None
+    if not isinstance(raw, dict):
+        raise TrainConfigError(f"{path} must hold a JSON object")
+    return {k: v for k, v in raw.items() if not k.startswith("_")}
+
+
+def _parse_value(text: str) -> Any:
+    """JSON if it parses (numbers, true/false/null, lists, objects), else the raw string."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``key=value`` strings; ``model.x=v`` sets a model sub-config field."""
+    raw = json.loads(json.dumps(raw))  # deep copy
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise TrainConfigError(f"--set {item!r}: expected key=value (e.g. lr=3e-4 or model.block_size=7)")
+        head, _, rest = key.partition(".")
+        if rest:
+            if head != "model":
+                raise TrainConfigError(f"--set {item!r}: only model.<field> may be dotted")
+            raw.setdefault("model", {})[rest] = _parse_value(value)
+        else:
+            raw[key] = _parse_value(value)
+    return raw
+
+
+@functools.cache
+def _type_hints() -> dict[str, Any]:
+    return typing.get_type_hints(TrainConfig)
+
+
+def _coerce(name: str, value: Any) -> Any:
+    """Light type coercion for values from JSON/overrides (ints where floats are expected, etc.)."""
+    hint = _type_hints()[name]
+    union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    args = set(typing.get_args(hint)) if union else {hint}
+    if value is None:
+        if type(None) not in args:
+            raise TrainConfigError(f"training config: {name} may not be null")
+        return None
+    if float in args and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if int in args and isinstance(value, float) and value.is_integer():
+        return int(value)
+    if list[str] in args and isinstance(value, str):
+        return [value]
+    ok = any(
+        (a is float and isinstance(value, (int, float)) and not isinstance(value, bool))
+        or (a is int and isinstance(value, int) and not isinstance(value, bool))
+        or (a is bool and isinstance(value, bool))
+        or (a is str and isinstance(value, str))
+        or (typing.get_origin(a) is list and isinstance(value, list))
+        or (typing.get_origin(a) is dict and isinstance(value, dict))
+        for a in args
+    )
+    if not ok:
+        raise TrainConfigError(f"training config: {name} = {value!r} has the wrong type (expected {hint})")
+    return value
+
+
+def config_from_dict(raw: dict[str, Any]) -> TrainConfig:
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    unknown = sorted(k for k in raw if k not in known and not k.startswith("_"))
+    if unknown:
+        raise TrainConfigError(
+            f"unknown training config key(s) {unknown}; valid keys: {', '.join(sorted(known))}"
+        )
+    values = {k: _coerce(k, v) for k, v in raw.items() if k in known}
+    cfg = TrainConfig(**values)
+    check_model_keys(cfg)
+    return cfg
+
+
+def load_config(name_or_path: str | None, overrides: list[str] = (), **fields: Any) -> TrainConfig:
+    """Read a preset or JSON file, apply ``--set`` overrides, then explicit ``fields`` (CLI flags)."""
+    raw = _read_config_source(name_or_path) if name_or_path else {}
+    raw = apply_overrides(raw, list(overrides))
+    raw.update({k: v for k, v in fields.items() if v is not None})
+    return config_from_dict(raw)
+
+
+# ---------------------------------------------------------------- model sub-config
+
+def _model_config_class(drafter: str):
+    if drafter == "eagle3":
+        from dspark.drafters.eagle3_model import Eagle3Config
+
+        return Eagle3Config
+    from dspark.drafters.dspark_model import DSparkConfig
+
+    return DSparkConfig
+
+
+def check_model_keys(cfg: TrainConfig) -> None:
+    """Unknown ``model.*`` keys are errors (checked when the drafter's config class is importable)."""
+    try:
+        cls = _model_config_class(cfg.drafter)
+    except ImportError:  # drafter models not installed/importable: checked again when the model is built
+        return
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(cfg.model) - known)
+    if unknown:
+        raise TrainConfigError(
+            f"unknown model config key(s) {unknown} for drafter {cfg.drafter!r}; valid keys: {', '.join(sorted(known))}"
+        )
+
+
+def build_model_config(cfg: TrainConfig, default_layer_ids: list[int] | None = None):
+    """The drafter's config object (``DSparkConfig``, ``DSparkConfig.dflash`` or ``Eagle3Config``)."""
+    check_model_keys(cfg)
+    cls = _model_config_class(cfg.drafter)
+    kw = dict(cfg.model)
+    if default_layer_ids is not None and kw.get("target_layer_ids") is None:
+        kw["target_layer_ids"] = list(default_layer_ids)
+    try:
+        return cls.dflash(**kw) if cfg.drafter == "dflash" else cls(**kw)
+    except (TypeError, ValueError) as err:
+        raise TrainConfigError(f"model config for drafter {cfg.drafter!r}: {err}") from None

@@ -1,0 +1,191 @@
+"""Tokenized training conversations on disk, a torch Dataset over them, and length-bucketed batches.
+
+On-disk layout of a tokenized folder:
+  manifest.json   format version, counts, tokenizer, max_length, min_loss_tokens, sources, dropped
+  input_ids.npy   int32  (T,)    all samples' tokens, concatenated
+  loss_mask.npy   uint8  (T,)    1 on assistant reply tokens (chat.tokenize_conversation)
+  offsets.npy     int64  (N+1,)  sample i is [offsets[i], offsets[i+1])
+The arrays are memory-mapped when read, so a dataset larger than RAM works.
+
+Input JSONL records have the DeepSpec shape `{"id", "conversations": [{"role", "content"}, ...],
+"status": "success"}`; records whose status is anything other than "success" are skipped (records
+without a status, e.g. hand-written conversations, are used).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from dspark.errors import DSparkError
+from dspark.training.chat import MIN_LOSS_TOKENS, tokenize_conversation
+
+FORMAT_VERSION = 1
+
+
+@dataclass
+class TokenizeSummary:
+    path: Path
+    num_samples: int
+    num_tokens: int
+    num_loss_tokens: int
+    skipped: dict[str, int]
+
+    def __str__(self) -> str:
+        return (f"wrote {self.num_samples} samples ({self.num_tokens} tokens, {self.num_loss_tokens} "
+                f"supervised) to {self.path}; skipped {self.skipped}")
+
+
+def _records(path: Path):
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    yield json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise DSparkError(f"{path}:{line_no} is not valid JSON ({err})") from err
+
+
+def write_tokenized(jsonl_in: str | Path | list[str | Path], tokenizer, out_path: str | Path, max_length: int,
+                    min_loss_tokens: int = MIN_LOSS_TOKENS, progress: bool = True) -> TokenizeSummary:
+    """Tokenize regenerated conversations into a folder `TokenizedDataset` reads (layout above)."""
+    from tqdm.auto import tqdm
+
+    paths = [Path(p) for p in (jsonl_in if isinstance(jsonl_in, list) else [jsonl_in])]
+    for path in paths:
+        if not path.is_file():
+            raise DSparkError(f"{path} does not exist; give the regenerated-responses JSONL")
+    ids_parts: list[np.ndarray] = []  # (L_i,) each
+    mask_parts: list[np.ndarray] = []
+    skipped: Counter = Counter()
+    for path in paths:
+        for record in tqdm(_records(path), desc=f"tokenize {path.name}", unit="sample", disable=not progress):
+            if record.get("status", "success") != "success":
+                skipped["status"] += 1
+                continue
+            conversations = record.get("conversations")
+            if not conversations or not any(m.get("role") == "assistant" for m in conversations):
+                skipped["no_assistant_turn"] += 1
+                continue
+            sample = tokenize_conversation(tokenizer, conversations, max_length, min_loss_tokens)
+            if sample is None:
+                skipped["few_loss_tokens"] += 1
+                continue
+            ids_parts.append(np.asarray(sample["input_ids"], dtype=np.int32))
+            mask_parts.append(np.asarray(sample["loss_mask"], dtype=np.uint8))
+    if not ids_parts:
+        raise DSparkError(f"no usable samples in {', '.join(map(str, paths))} (skipped: {dict(skipped)})")
+    lengths = np.array([len(a) for a in ids_parts], dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)  # (N+1,)
+    input_ids = np.concatenate(ids_parts)  # (T,)
+    loss_mask = np.concatenate(mask_parts)  # (T,)
+    manifest = {
+        "format": "dspark-tokenized", "version": FORMAT_VERSION,
+        "num_samples": int(len(lengths)), "num_tokens": int(offsets[-1]),
+        "num_loss_tokens": int(loss_mask.sum()), "max_length": max_length,
+        "min_loss_tokens": min_loss_tokens, "tokenizer": str(getattr(tokenizer, "name_or_path", "")),
+        "vocab_size": len(tokenizer), "source_jsonl_paths": [str(p) for p in paths], "skipped": dict(skipped),
+    }
+    out_path = Path(out_path)
+    tmp = out_path.with_name(out_path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    np.save(tmp / "input_ids.npy", input_ids)
+    np.save(tmp / "loss_mask.npy", loss_mask)
+    np.save(tmp / "offsets.npy", offsets)
+    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    shutil.rmtree(out_path, ignore_errors=True)
+    tmp.rename(out_path)
+    return TokenizeSummary(out_path, manifest["num_samples"], manifest["num_tokens"],
+                           manifest["num_loss_tokens"], dict(skipped))
+
+
+class TokenizedDataset(Dataset):
+    """Samples of a `write_tokenized` folder: `{"input_ids": (L,) long, "loss_mask": (L,) long}`."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        manifest_path = self.path / "manifest.json"
+        if not manifest_path.is_file():
+            raise DSparkError(f"{self.path} is not a tokenized dataset (no manifest.json); "
+                              "create it with `dspark data tokenize`")
+        self.manifest = json.loads(manifest_path.read_text())
+        if self.manifest.get("version") != FORMAT_VERSION:
+            raise DSparkError(f"{self.path} has format version {self.manifest.get('version')}, "
+                              f"this dspark reads version {FORMAT_VERSION}; re-run `dspark data tokenize`")
+        self.offsets = np.load(self.path / "offsets.npy")  # (N+1,)
+        self.lengths = np.diff(self.offsets)  # (N,)
+        self._arrays: tuple[np.ndarray, np.ndarray] | None = None  # memory maps, opened per process
+
+    def __getstate__(self) -> dict:  # DataLoader workers reopen the maps instead of copying them
+        return {**self.__dict__, "_arrays": None}
+
+    def _maps(self) -> tuple[np.ndarray, np.ndarray]:
+        if self._arrays is None:
+            self._arrays = (np.load(self.path / "input_ids.npy", mmap_mode="r"),  # (T,)
+                            np.load(self.path / "loss_mask.npy", mmap_mode="r"))  # (T,)
+        return self._arrays
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
+        if not -len(self) <= idx < len(self):
+            raise IndexError(idx)
+        idx %= len(self)
+        start, end = int(self.offsets[idx]), int(self.offsets[idx + 1])
+        input_ids, loss_mask = self._maps()
+        return {
+            "input_ids": torch.from_numpy(input_ids[start:end].astype(np.int64)),  # (L,)
+            "loss_mask": torch.from_numpy(loss_mask[start:end].astype(np.int64)),  # (L,)
+        }
+
+
+def pack_batches(dataset: TokenizedDataset | list[int], max_tokens: int, shuffle: bool = True,
+                 seed: int = 0) -> list[list[int]]:
+    """Index batches of similar length whose padded size (B × longest L) stays within `max_tokens`.
+
+    Samples are sorted by length and cut greedily into batches; a sample longer than `max_tokens`
+    gets a batch of its own. With `shuffle`, the batch order (not the contents) is shuffled under
+    `seed`. `dataset` may also be a plain list of lengths.
+    """
+    if max_tokens <= 0:
+        raise DSparkError("max_tokens must be positive")
+    lengths = np.asarray(dataset.lengths if hasattr(dataset, "lengths") else dataset)
+    order = np.argsort(lengths, kind="stable")
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for idx in order.tolist():
+        if current and (len(current) + 1) * int(lengths[idx]) > max_tokens:  # sorted: idx is the longest
+            batches.append(current)
+            current = []
+        current.append(idx)
+    if current:
+        batches.append(current)
+    if shuffle:
+        random.Random(seed).shuffle(batches)
+    return batches
+
+
+def collate_padded(samples: list[dict[str, torch.Tensor]], pad_token_id: int = 0) -> dict[str, torch.Tensor]:
+    """Right-pad a batch: input_ids (B, L) long, loss_mask (B, L) long, attention_mask (B, L) long."""
+    longest = max(len(s["input_ids"]) for s in samples)
+    batch = {
+        "input_ids": torch.full((len(samples), longest), pad_token_id, dtype=torch.long),  # (B, L)
+        "loss_mask": torch.zeros((len(samples), longest), dtype=torch.long),  # (B, L)
+        "attention_mask": torch.zeros((len(samples), longest), dtype=torch.long),  # (B, L)
+    }
+    for row, sample in enumerate(samples):
+        length = len(sample["input_ids"])
+        batch["input_ids"][row, :length] = sample["input_ids"]
+        batch["loss_mask"][row, :length] = sample["loss_mask"]
+        batch["attention_mask"][row, :length] = 1
+    return batch

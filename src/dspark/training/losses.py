@@ -1,0 +1,163 @@
+"""Drafter training losses: DSpark/DFlash (eqs. 8-12) and Eagle3's decayed soft cross-entropy.
+
+Shapes: A = blocks, G = block size (gamma), M = supervised rows (flattened
+(block, slot) pairs with a positive weight), V = vocabulary, H = hidden size,
+r = Markov rank.
+
+DSpark (DESIGN.md §1.4, interop-facts §2):
+- position weight w_k = exp(-k / g) * eval_mask, k = 0..G-1 (DeepSpec; the paper's
+  exp(-(k-1)/gamma) with 1-based k is g = gamma);
+- CE on the Markov-corrected, teacher-forced logits against the hard label, eq. (9);
+- L1 = sum_v |draft_probs - target_probs| (twice the total variation), eq. (10);
+- BCE-with-logits of the confidence head against the detached soft label
+  c* = clamp(1 - L1/2, 0, 1) = sum_v min(draft_probs, target_probs), eqs. (8), (11);
+- each term is sum(w * term) / sum(w); total = a_ce CE + a_l1 L1 + a_conf BCE, eq. (12).
+
+V-sized tensors (logits, probabilities) are only built for supervised rows and in
+chunks of ``ROW_CHUNK`` rows under activation checkpointing, so memory stays
+O(ROW_CHUNK * V) however many anchors a sequence has.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+#: rows of V-sized tensors materialised at once
+ROW_CHUNK = 128
+#: added to every weighted-mean denominator (DeepSpec)
+DEN_EPS = 1e-6
+
+
+def position_weights(
+    eval_mask: torch.Tensor,  # (A, G) bool
+    decay_gamma: float | None,
+) -> torch.Tensor:  # (A, G) float32
+    """w_k = exp(-k / decay_gamma) on supervised slots, 0 elsewhere; no decay if gamma is None or <= 0."""
+    w = eval_mask.float()
+    if decay_gamma is not None and decay_gamma > 0:
+        k = torch.arange(eval_mask.shape[-1], dtype=torch.float32)
+        w = w * torch.exp(-k / float(decay_gamma))
+    return w
+
+
+def soft_acceptance(
+    draft_probs: torch.Tensor,  # (..., V)
+    target_probs: torch.Tensor,  # (..., V)
+) -> torch.Tensor:  # (...,)
+    """Expected acceptance of one draft step, clamp(1 - ||draft - target||_1 / 2, 0, 1), eq. (8)."""
+    return (1.0 - 0.5 * (draft_probs - target_probs).abs().sum(-1)).clamp(0.0, 1.0)
+
+
+def weighted_mean(term: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:  # (...) x (...) -> ()
+    return (term * weights).sum() / (weights.sum() + DEN_EPS)
+
+
+def row_terms(
+    draft_logits: torch.Tensor,  # (M, V) Markov-corrected draft logits
+    target_logits: torch.Tensor,  # (M, V) target logits (no grad needed)
+    labels: torch.Tensor,  # (M,) int64 ground-truth next tokens
+) -> tuple[torch.Tensor, torch.Tensor]:  # ce (M,), l1 (M,)
+    """Per-row CE, eq. (9), and L1 distance, eq. (10), at temperature 1."""
+    logp = torch.log_softmax(draft_logits.float(), dim=-1)  # (M, V)
+    ce = -logp.gather(-1, labels[:, None]).squeeze(-1)
+    target_probs = torch.softmax(target_logits.float(), dim=-1).detach()
+    l1 = (logp.exp() - target_probs).abs().sum(-1)
+    return ce, l1
+
+
+def chunked_row_terms(
+    draft_logits_fn: Callable[..., torch.Tensor],  # (*row_inputs chunk) -> (m, V)
+    target_logits_fn: Callable[[torch.Tensor], torch.Tensor],  # (m, H) -> (m, V)
+    row_inputs: tuple[torch.Tensor | None, ...],  # each (M, ...) or None
+    target_hidden: torch.Tensor,  # (M, H)
+    labels: torch.Tensor,  # (M,)
+    chunk: int = ROW_CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor]:  # ce (M,), l1 (M,)
+    """``row_terms`` over row chunks; with autograd on, each chunk is recomputed in backward."""
+
+    def one(t_hidden, lab, *inputs):
+        with torch.no_grad():
+            target_logits = target_logits_fn(t_hidden)
+        return row_terms(draft_logits_fn(*inputs), target_logits, lab)
+
+    M = labels.shape[0]
+    use_ckpt = torch.is_grad_enabled() and M > 0
+    ces, l1s = [], []
+    for s in range(0, M, chunk):
+        sl = slice(s, s + chunk)
+        args = (target_hidden[sl], labels[sl], *[x[sl] if x is not None else None for x in row_inputs])
+        if use_ckpt:
+            ce, l1 = checkpoint(one, *args, use_reentrant=False)
+        else:
+            ce, l1 = one(*args)
+        ces.append(ce)
+        l1s.append(l1)
+    if not ces:
+        z = target_hidden.new_zeros(0)
+        return z, z
+    return torch.cat(ces), torch.cat(l1s)
+
+
+def confidence_bce(
+    confidence_logits: torch.Tensor,  # (M,) raw confidence-head logits
+    soft_label: torch.Tensor,  # (M,) in [0, 1]
+) -> torch.Tensor:  # (M,)
+    """Per-row BCE-with-logits against the detached soft label, eq. (11)."""
+    return F.binary_cross_entropy_with_logits(confidence_logits.float(), soft_label.detach().float(), reduction="none")
+
+
+def soft_cross_entropy(
+    draft_logits: torch.Tensor,  # (M, V)
+    target_probs: torch.Tensor,  # (M, V)
+) -> tuple[torch.Tensor, torch.Tensor]:  # soft CE (M,), soft acceptance (M,) (no grad)
+    """Eagle3's distillation loss -sum_v target_probs log draft_probs, and the acceptance estimate."""
+    logp = torch.log_softmax(draft_logits.float(), dim=-1)
+    ce = -(target_probs * logp).sum(-1)
+    with torch.no_grad():
+        acc = soft_acceptance(logp.exp(), target_probs)
+    return ce, acc
+
+
+def chunked_soft_cross_entropy(
+    draft_logits_fn: Callable[[torch.Tensor], torch.Tensor],  # (m, H) -> (m, V)
+    target_logits_fn: Callable[[torch.Tensor], torch.Tensor],  # (m, H) -> (m, V)
+    hidden: torch.Tensor,  # (M, H) draft hidden states
+    target_hidden: torch.Tensor,  # (M, H)
+    chunk: int = ROW_CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor]:  # soft CE (M,), soft acceptance (M,)
+    def one(h, t_hidden):
+        with torch.no_grad():
+            target_probs = torch.softmax(target_logits_fn(t_hidden).float(), dim=-1)
+        return soft_cross_entropy(draft_logits_fn(h), target_probs)
+
+    M = hidden.shape[0]
+    use_ckpt = torch.is_grad_enabled() and M > 0
+    ces, accs = [], []
+    for s in range(0, M, chunk):
+        args = (hidden[s : s + chunk], target_hidden[s : s + chunk])
+        ce, acc = checkpoint(one, *args, use_reentrant=False) if use_ckpt else one(*args)
+        ces.append(ce)
+        accs.append(acc)
+    if not ces:
+        z = hidden.new_zeros(0)
+        return z, z
+    return torch.cat(ces), torch.cat(accs)
+
+
+def eagle3_step_weight(step: int, step_loss_decay: float) -> float:
+    """Weight of training-time-test step ``step`` (0-based): decay ** step (0.8 in DeepSpec)."""
+    return float(step_loss_decay) ** step
+
+
+def tau_estimate(acceptance: torch.Tensor, mask: torch.Tensor) -> float:  # (A, G) x (A, G) -> scalar
+    """Expected acceptance length per block, 1 + sum_k prod_{j<=k} acc_j, averaged over blocks with a supervised slot."""
+    valid = mask.any(dim=-1)
+    if not bool(valid.any()):
+        return math.nan
+    expected = (acceptance * mask.float()).cumprod(dim=-1).sum(dim=-1) + 1.0
+    return float(expected[valid].mean())

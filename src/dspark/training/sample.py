@@ -1,0 +1,54 @@
+"""One training sequence together with the frozen target's outputs on it.
+
+Shapes: L = sequence length, H = target hidden size, n = len(target_layer_ids),
+F = n * H.
+
+``target_features`` are the outputs of ``target_layer_ids`` (HF
+``hidden_states[l + 1]``), concatenated in id order; ``target_last_hidden`` is
+the target's final-normed, pre-LM-head state. The target's distribution of
+token t+1 is ``softmax(lm_head(target_last_hidden[t]))`` (DESIGN.md §1.4: the
+drafter gets d numbers per token, never V).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class TrainSample:
+    input_ids: torch.Tensor  # (L,) int64
+    loss_mask: torch.Tensor  # (L,) int64/bool, 1 on assistant tokens
+    target_features: torch.Tensor  # (L, F)
+    target_last_hidden: torch.Tensor  # (L, H)
+
+    def __post_init__(self) -> None:
+        L = self.input_ids.shape[0]
+        if self.input_ids.dim() != 1 or self.loss_mask.shape != (L,):
+            raise ValueError(
+                f"input_ids and loss_mask must be 1-D of one length, got {tuple(self.input_ids.shape)} "
+                f"and {tuple(self.loss_mask.shape)}"
+            )
+        if self.target_features.dim() != 2 or self.target_features.shape[0] != L:
+            raise ValueError(f"target_features must be (L={L}, F), got {tuple(self.target_features.shape)}")
+        if self.target_last_hidden.dim() != 2 or self.target_last_hidden.shape[0] != L:
+            raise ValueError(f"target_last_hidden must be (L={L}, H), got {tuple(self.target_last_hidden.shape)}")
+
+    @property
+    def seq_len(self) -> int:
+        return self.input_ids.shape[0]
+
+
+def make_train_sample(
+    target,  # dspark.target.model.TargetModel
+    input_ids: list[int] | torch.Tensor,  # (L,)
+    loss_mask: list[int] | torch.Tensor | None,  # (L,); None = every token supervised
+    target_layer_ids: list[int],
+) -> TrainSample:
+    """Run the frozen target once over a sequence (no cache) and package its outputs."""
+    ids = torch.as_tensor(input_ids, dtype=torch.long)
+    mask = torch.ones_like(ids) if loss_mask is None else torch.as_tensor(loss_mask, dtype=torch.long)
+    out = target.forward(ids, [ids.shape[0]], None, capture_layers=list(target_layer_ids), logits_for="none")
+    return TrainSample(ids, mask, out.features.clone(), out.last_hidden.clone())

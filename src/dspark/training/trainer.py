@@ -1,0 +1,620 @@
+"""Drafter training: one process or many under ``torchrun`` (DDP; gloo on CPU, nccl on GPU).
+
+The loop, per optimizer step: each rank takes ``grad_accum`` sequences (its
+disjoint slice of the global batch), builds a ``TrainSample`` for each (target
+features computed online or read from the feature cache), calls the drafter's
+``training_loss`` with a generator seeded from (seed, step, rank, micro-batch),
+accumulates gradients, clips, and steps AdamW on fp32 master weights. The
+learning rate warms up linearly for int(warmup_ratio * total) steps, then
+follows a cosine to 0 (interop §1, DeepSpec's ``CosineAnnealingWarmupLR``).
+
+Determinism and resume: the data order is a seeded permutation per epoch and
+the anchor generator is a function of (seed, step, rank, micro-batch), so the
+only state a resume needs is what the checkpoint holds: fp32 master weights,
+AdamW moments, the scheduler and the step. A run killed after checkpoint N and
+resumed from ``step_latest`` computes the same step N+1 loss as an uninterrupted run.
+
+Output folder::
+
+    out/step_N/            model.safetensors + config.json (the drafter's own format),
+                           train_config.json, training_state.rank{r}.pt
+    out/step_latest        symlink to the newest step_N (written atomically, after the folder)
+    out/tb/                TensorBoard scalars (loss, lr, grad norm, tokens/s, acc@k, ...)
+    out/metrics.jsonl      one line per logged step (the same scalars)
+    out/train_summary.json written at the end
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torch import nn
+
+from dspark.errors import DSparkError
+from dspark.training.config import TrainConfig, TrainConfigError, build_model_config
+from dspark.training.sample import TrainSample
+
+LATEST = "step_latest"
+
+
+# ---------------------------------------------------------------- processes
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def init_distributed(device: torch.device) -> DistInfo:
+    """Read torchrun's WORLD_SIZE / RANK / LOCAL_RANK and join the process group if there is one."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return DistInfo()
+    import torch.distributed as dist
+
+    info = DistInfo(int(os.environ["RANK"]), world, int(os.environ.get("LOCAL_RANK", "0")))
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return info
+
+
+def _barrier(d: DistInfo) -> None:
+    if d.distributed:
+        torch.distributed.barrier()
+
+
+def _all_mean(d: DistInfo, values: list[float]) -> list[float]:
+    if not d.distributed:
+        return values
+    t = torch.tensor(values, dtype=torch.float64)
+    torch.distributed.all_reduce(t)
+    return (t / d.world_size).tolist()
+
+
+def _all_sum(d: DistInfo, value: float) -> float:
+    if not d.distributed:
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    torch.distributed.all_reduce(t)
+    return float(t.item())
+
+
+def _resolve_device(name: str, local_rank: int) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise TrainConfigError("device 'cuda' was asked for but no GPU is available; use device=cpu")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device(name)
+
+
+# ---------------------------------------------------------------- schedule and data order
+
+def lr_multiplier(step: int, total_steps: int, warmup_steps: int) -> float:
+    """LR / peak LR while taking optimizer step ``step`` (0-based).
+
+    Linear warmup (step+1)/warmup for the first ``warmup_steps`` steps, then a
+    cosine from 1 at step ``warmup_steps`` to 0 at ``total_steps``.
+    """
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    decay = max(1, total_steps - warmup_steps)
+    return 0.5 * (1.0 + math.cos(math.pi * min(step - warmup_steps, decay) / decay))
+
+
+@dataclass(frozen=True)
+class DataOrder:
+    """Which samples each rank trains on at each optimizer step.
+
+    Epoch e uses a permutation seeded by (seed, e), trimmed to whole global
+    batches. Global batch j of an epoch is perm[j*G:(j+1)*G]; rank r takes its
+    micro-batch a from position a*W + r, so ranks never share a sample.
+    """
+
+    num_samples: int
+    world_size: int
+    grad_accum: int
+    seed: int
+
+    @property
+    def global_batch(self) -> int:
+        return self.world_size * self.grad_accum
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.num_samples // self.global_batch
+
+    def permutation(self, epoch: int) -> torch.Tensor:  # (steps_per_epoch * G,) int64
+        g = torch.Generator().manual_seed(_derive_seed(self.seed, 0x0D47A, epoch))
+        return torch.randperm(self.num_samples, generator=g)[: self.steps_per_epoch * self.global_batch]
+
+    def indices(self, step: int, rank: int) -> list[int]:
+        epoch, j = divmod(step, self.steps_per_epoch)
+        batch = self.permutation(epoch)[j * self.global_batch : (j + 1) * self.global_batch]
+        return [int(batch[a * self.world_size + rank]) for a in range(self.grad_accum)]
+
+
+def _derive_seed(*parts: int) -> int:
+    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1, np.uint64)[0])
+
+
+def micro_generator(seed: int, step: int, rank: int, micro: int) -> torch.Generator:
+    """The generator the drafter samples anchors with, fixed by (seed, step, rank, micro-batch)."""
+    return torch.Generator().manual_seed(_derive_seed(seed, step, rank, micro))
+
+
+# ---------------------------------------------------------------- optimizer with fp32 master weights
+
+class MasterWeights:
+    """fp32 copies of the trainable parameters for AdamW; the model may run in bf16."""
+
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        self.params = params
+        self.shared = all(p.dtype == torch.float32 for p in params)
+        self.master = params if self.shared else [
+            nn.Parameter(p.detach().float().clone()) for p in params
+        ]
+
+    def grads_to_master(self) -> None:
+        if self.shared:
+            return
+        for p, m in zip(self.params, self.master):
+            m.grad = None if p.grad is None else p.grad.detach().float()
+
+    def master_to_model(self) -> None:
+        if self.shared:
+            return
+        with torch.no_grad():
+            for p, m in zip(self.params, self.master):
+                p.copy_(m.to(p.dtype))
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+        if not self.shared:
+            for m in self.master:
+                m.grad = None
+
+
+# ---------------------------------------------------------------- samples
+
+class SampleSource:
+    """Index -> TrainSample, from a feature cache or a tokenized dataset plus the target."""
+
+    def __init__(self, get: Callable[[int], TrainSample], size: int) -> None:
+        self._get = get
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> TrainSample:
+        return self._get(index)
+
+
+def load_token_dataset(paths: list[str]):
+    """The tokenized training data (``dspark data tokenize`` output)."""
+    if not paths:
+        raise TrainConfigError("training config: data is empty; give the tokenized dataset path(s)")
+    from dspark.training.dataset import TokenizedDataset
+
+    missing = [p for p in paths if not Path(p).exists()]
+    if missing:
+        raise TrainConfigError(f"training data {missing} not found; build it with `dspark data tokenize` first")
+    parts = [TokenizedDataset(p) for p in paths]
+    return parts[0] if len(parts) == 1 else torch.utils.data.ConcatDataset(parts)
+
+
+def build_sample_source(cfg: TrainConfig, target, layer_ids: list[int], dtype: torch.dtype,
+                        dataset=None) -> SampleSource:
+    from dspark.training import features
+
+    if cfg.feature_source == "cache":
+        if dataset is None:
+            if not cfg.cache_dir:
+                raise TrainConfigError("feature_source is 'cache' but cache_dir is not set")
+            dataset = features.FeatureCacheDataset(cfg.cache_dir, dtype=dtype, max_length=cfg.max_length)
+            features.check_cache_fits(dataset.manifest, layer_ids, target.hidden_size)
+        size = len(dataset)
+        get = dataset.__getitem__
+    else:
+        dataset = dataset if dataset is not None else load_token_dataset(cfg.data)
+        size = len(dataset)
+
+        def get(i: int) -> TrainSample:
+            item = dataset[i]
+            if isinstance(item, TrainSample):
+                return item
+            return features.online_sample(target, item, layer_ids, cfg.max_length, dtype)
+    if cfg.max_samples is not None:
+        size = min(size, cfg.max_samples)
+    return SampleSource(get, size)
+
+
+def _to_device(s: TrainSample, device: torch.device, dtype: torch.dtype) -> TrainSample:
+    return TrainSample(
+        input_ids=s.input_ids.to(device), loss_mask=s.loss_mask.to(device),
+        target_features=s.target_features.to(device, dtype),
+        target_last_hidden=s.target_last_hidden.to(device, dtype),
+    )
+
+
+# ---------------------------------------------------------------- the drafter
+
+class _LossModule(nn.Module):
+    """Routes DDP's forward to ``training_loss`` so gradient sync hooks see the call."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, sample: TrainSample, generator: torch.Generator):
+        return self.model.training_loss(sample, generator)
+
+
+def drafter_class(drafter: str) -> type[nn.Module]:
+    """The model class of a drafter kind (dflash shares DSpark's class)."""
+    if drafter == "eagle3":
+        from dspark.drafters import eagle3_model as module
+
+        names = ("Eagle3DraftModel", "Eagle3Model")
+    else:
+        from dspark.drafters import dspark_model as module
+
+        names = ("DSparkDraftModel", "DSparkModel")
+    for name in names:
+        if hasattr(module, name):
+            return getattr(module, name)
+    raise ImportError(f"{module.__name__} defines none of {names}")
+
+
+def build_drafter(cfg: TrainConfig, target) -> nn.Module:
+    """A fresh drafter for ``target``; its random initialisation is fixed by ``cfg.seed``."""
+    model_cfg = build_model_config(cfg, target.default_layer_ids())
+    torch.manual_seed(cfg.seed)
+    return drafter_class(cfg.drafter).from_target(target, model_cfg)
+
+
+def _layer_ids(model: nn.Module) -> list[int]:
+    cfg = getattr(model, "config", None) or getattr(model, "cfg", None)
+    ids = getattr(cfg, "target_layer_ids", None) if cfg is not None else None
+    if ids is None:
+        ids = getattr(model, "target_layer_ids", None)
+    if ids is None:
+        raise DSparkError("the drafter does not say which target layers it reads (config.target_layer_ids)")
+    return [int(i) for i in ids]
+
+
+# ---------------------------------------------------------------- checkpoints
+
+def _rng_state() -> dict[str, Any]:
+    np_state = np.random.get_state()
+    return {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]),
+    }
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
+
+
+def latest_checkpoint(out: str | Path) -> Path | None:
+    link = Path(out) / LATEST
+    return link.resolve() if link.exists() else None
+
+
+def _write_checkpoint(out: Path, step: int, model: nn.Module, cfg: TrainConfig, state: dict, d: DistInfo,
+                      extra_config: dict) -> Path:
+    """Write ``out/step_N`` atomically (temp folder, rename), then repoint ``step_latest``."""
+    final = out / f"step_{step}"
+    tmp = out / f".step_{step}.tmp"
+    if d.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier(d)
+    torch.save(state, tmp / f"training_state.rank{d.rank}.pt")
+    _barrier(d)
+    if d.is_main:
+        model.save_checkpoint(tmp)
+        # "_run" is a comment key to the config loader: the file works as --config again
+        (tmp / "train_config.json").write_text(json.dumps({"_run": extra_config, **cfg.to_dict()}, indent=2))
+        if final.exists():  # the same step saved again (e.g. after a resume): replace it
+            old = out / f".step_{step}.old"
+            shutil.rmtree(old, ignore_errors=True)
+            final.rename(old)
+            tmp.rename(final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(final)
+        link_tmp = out / f".{LATEST}.tmp"
+        if link_tmp.is_symlink() or link_tmp.exists():
+            link_tmp.unlink()
+        os.symlink(final.name, link_tmp)
+        os.replace(link_tmp, out / LATEST)
+    _barrier(d)
+    return final
+
+
+def _load_training_state(folder: Path, rank: int) -> dict:
+    path = folder / f"training_state.rank{rank}.pt"
+    if not path.exists():  # a different world size: replicas hold the same weights and optimizer state
+        path = folder / "training_state.rank0.pt"
+    if not path.exists():
+        raise DSparkError(f"{folder} holds no training_state.rank*.pt; it is not a resumable checkpoint")
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+# ---------------------------------------------------------------- logging
+
+class _Logger:
+    """Rank 0 only: tqdm bar, TensorBoard, metrics.jsonl."""
+
+    def __init__(self, out: Path, d: DistInfo, total_steps: int, start_step: int) -> None:
+        self.on = d.is_main
+        self.bar = self.tb = None
+        if not self.on:
+            return
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(out / "tb"), purge_step=start_step if start_step else None)
+        except ImportError:  # tensorboard not installed: metrics.jsonl still has everything
+            self.tb = None
+        self.jsonl = out / "metrics.jsonl"
+        if self.jsonl.exists():  # drop lines from after the checkpoint we resume from
+            keep = [ln for ln in self.jsonl.read_text().splitlines()
+                    if ln.strip() and json.loads(ln).get("step", 0) <= start_step]
+            self.jsonl.write_text("".join(ln + "\n" for ln in keep))
+
+    def step(self, n: int = 1) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        if not self.on:
+            return
+        if self.tb is not None:
+            for k, v in scalars.items():
+                self.tb.add_scalar(f"train/{k}", v, step)
+        with open(self.jsonl, "a") as f:
+            f.write(json.dumps({"step": step, **{k: round(v, 6) for k, v in scalars.items()}}) + "\n")
+        shown = {k: f"{scalars[k]:.4g}" for k in ("loss", "lr", "tokens_per_s") if k in scalars}
+        self.bar.set_postfix(shown)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+# ---------------------------------------------------------------- the loop
+
+class Trainer:
+    """One training run: built from a config, then ``run()`` until max steps or the time budget."""
+
+    def __init__(self, cfg: TrainConfig, resume: bool = False, *, target=None, model: nn.Module | None = None,
+                 dataset=None) -> None:
+        self.cfg = cfg
+        self.out = Path(cfg.out)
+        self.device = _resolve_device(cfg.device, int(os.environ.get("LOCAL_RANK", "0")))
+        self.owns_group = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not (
+            torch.distributed.is_available() and torch.distributed.is_initialized())
+        self.d = d = init_distributed(self.device)
+        _set_threads(cfg, d, self.device)
+        self.dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
+
+        self.resume_from = latest_checkpoint(self.out) if resume else None
+        if not resume and latest_checkpoint(self.out) is not None:
+            raise DSparkError(f"{self.out} already holds checkpoints; pass --resume to continue or choose another --out")
+        if d.is_main:
+            self.out.mkdir(parents=True, exist_ok=True)
+        _barrier(d)
+
+        torch.manual_seed(cfg.seed)
+        random.seed(cfg.seed)
+        np.random.seed(cfg.seed % 2**32)
+        if target is None:
+            from dspark.target.model import load_target
+
+            target = load_target(cfg.target, dtype=self.dtype, tokenizer=False)
+        target.model.to(self.device)
+        self.model = model if model is not None else build_drafter(cfg, target)
+        self.model.to(device=self.device, dtype=self.dtype)
+        self.model.train()
+        self.source = build_sample_source(cfg, target, _layer_ids(self.model), self.dtype, dataset)
+
+        self.accum = cfg.grad_accum_for(d.world_size)
+        self.order = DataOrder(len(self.source), d.world_size, self.accum, cfg.seed)
+        if self.order.steps_per_epoch < 1:
+            raise TrainConfigError(
+                f"{len(self.source)} training sequences do not fill one global batch of {self.order.global_batch} "
+                f"({d.world_size} processes x grad_accum {self.accum}); add data or lower grad_accum"
+            )
+        self.total_steps = cfg.max_steps or cfg.epochs * self.order.steps_per_epoch
+        self.warmup_steps = int(cfg.warmup_ratio * self.total_steps)
+
+        self.masters = MasterWeights(list(self.model.trainable_parameters()))
+        self.optimizer = torch.optim.AdamW(self.masters.master, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        total, warmup = self.total_steps, self.warmup_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: lr_multiplier(s, total, warmup))
+        self.step, self.tokens_seen, self.prior_seconds = 0, 0.0, 0.0
+        if self.resume_from is not None:
+            self._restore(self.resume_from)
+
+        self.net: nn.Module = _LossModule(self.model)
+        if d.distributed:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            self.net = DDP(self.net, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                           find_unused_parameters=cfg.find_unused_parameters)
+
+    # -- state
+
+    def _restore(self, folder: Path) -> None:
+        state = _load_training_state(folder, self.d.rank)
+        with torch.no_grad():
+            for m, saved in zip(self.masters.master, state["master_weights"], strict=True):
+                m.copy_(saved)
+        self.masters.master_to_model()
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        _set_rng_state(state["rng"])
+        self.step, self.tokens_seen, self.prior_seconds = state["step"], state["tokens_seen"], state["train_seconds"]
+        if self.d.is_main:
+            print(f"[dspark] resuming from {folder} (step {self.step})", flush=True)
+
+    def _save(self, seconds: float) -> Path:
+        state = {
+            "step": self.step, "master_weights": [m.detach().cpu() for m in self.masters.master],
+            "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+            "rng": _rng_state(), "tokens_seen": self.tokens_seen, "train_seconds": seconds,
+            "world_size": self.d.world_size,
+            "data_order": {"seed": self.cfg.seed, "next_step": self.step, "grad_accum": self.accum},
+        }
+        extra = {"world_size": self.d.world_size, "grad_accum_resolved": self.accum,
+                 "total_steps": self.total_steps, "warmup_steps": self.warmup_steps,
+                 "num_samples": len(self.source)}
+        return _write_checkpoint(self.out, self.step, self.model, self.cfg, state, self.d, extra)
+
+    # -- one optimizer step
+
+    def train_step(self) -> tuple[float, dict[str, float], float, int]:
+        """Run step ``self.step``; returns (mean loss, mean metrics, grad norm, tokens) of this rank."""
+        d, accum = self.d, self.accum
+        loss_sum, metric_sums, tokens = 0.0, {}, 0
+        self.masters.zero_grad()
+        for a, index in enumerate(self.order.indices(self.step, d.rank)):
+            sample = _to_device(self.source[index], self.device, self.dtype)
+            sync = nullcontext() if (not d.distributed or a == accum - 1) else self.net.no_sync()
+            with sync:
+                loss, metrics = self.net(sample, micro_generator(self.cfg.seed, self.step, d.rank, a))
+                (loss / accum).backward()
+            loss_sum += float(loss.detach())
+            for k, v in metrics.items():
+                metric_sums[k] = metric_sums.get(k, 0.0) + float(v)
+            tokens += int(sample.input_ids.numel())
+        self.masters.grads_to_master()
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.masters.master, self.cfg.max_grad_norm))
+        self.optimizer.step()
+        self.scheduler.step()
+        self.masters.master_to_model()
+        self.step += 1
+        return loss_sum / accum, {k: v / accum for k, v in metric_sums.items()}, grad_norm, tokens
+
+    # -- the loop
+
+    def run(self) -> Path:
+        cfg, d = self.cfg, self.d
+        log = _Logger(self.out, d, self.total_steps, self.step)
+        start = time.perf_counter()
+        session_tokens = 0.0
+        last_ckpt, last_scalars, stopped_by = self.resume_from, {}, "max_steps"
+        try:
+            while self.step < self.total_steps:
+                lr = self.optimizer.param_groups[0]["lr"]
+                loss, metrics, grad_norm, tokens = self.train_step()
+                step_tokens = _all_sum(d, tokens)
+                self.tokens_seen += step_tokens
+                session_tokens += step_tokens
+                log.step()
+                if self.step % cfg.log_every == 0 or self.step == self.total_steps:
+                    keys = sorted(k for k in metrics if k != "loss")
+                    vals = _all_mean(d, [loss] + [metrics[k] for k in keys])
+                    elapsed = time.perf_counter() - start
+                    last_scalars = {"loss": vals[0], **dict(zip(keys, vals[1:])), "lr": lr, "grad_norm": grad_norm,
+                                    "tokens_per_s": session_tokens / max(elapsed, 1e-9),
+                                    "tokens_seen": self.tokens_seen}
+                    log.log(self.step, last_scalars)
+                seconds = self.prior_seconds + time.perf_counter() - start
+                out_of_time = _out_of_time(cfg, d, seconds)
+                if self.step % cfg.checkpoint_every == 0 or self.step == self.total_steps or out_of_time:
+                    last_ckpt = self._save(seconds)
+                if out_of_time:
+                    stopped_by = "time_budget"
+                    break
+            if last_ckpt is None:  # already at total_steps with no checkpoint to show for it
+                last_ckpt = self._save(self.prior_seconds)
+        finally:
+            log.close()
+        wall = time.perf_counter() - start
+        if d.is_main:
+            summary = {
+                "steps": self.step, "total_steps": self.total_steps, "stopped_by": stopped_by,
+                "tokens_seen": self.tokens_seen, "wall_time_s": round(wall, 3),
+                "train_seconds_total": round(self.prior_seconds + wall, 3),
+                "tokens_per_s": round(session_tokens / max(wall, 1e-9), 2), "world_size": d.world_size,
+                "global_batch": self.order.global_batch, "final_metrics": last_scalars,
+                "last_checkpoint": str(last_ckpt),
+            }
+            (self.out / "train_summary.json").write_text(json.dumps(summary, indent=2))
+        _barrier(d)
+        return last_ckpt
+
+    def close(self) -> None:
+        if self.owns_group and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def train(cfg: TrainConfig, resume: bool = False, *, target=None, model: nn.Module | None = None,
+          dataset=None) -> Path:
+    """Train a drafter as ``cfg`` says and return the folder of the last checkpoint.
+
+    ``target``, ``model`` and ``dataset`` may be passed in (tests, notebooks);
+    otherwise they are built from ``cfg`` (target folder/preset, drafter class,
+    data path or feature cache). ``resume`` continues from ``out/step_latest``.
+    """
+    trainer = Trainer(cfg, resume, target=target, model=model, dataset=dataset)
+    try:
+        return trainer.run()
+    finally:
+        trainer.close()
+
+
+def _out_of_time(cfg: TrainConfig, d: DistInfo, seconds: float) -> bool:
+    """All ranks agree (rank 0's clock decides), so every rank stops at the same step."""
+    if cfg.time_budget_s is None:
+        return False
+    flag = torch.tensor([1.0 if seconds >= cfg.time_budget_s else 0.0])
+    if d.distributed:
+        torch.distributed.broadcast(flag, src=0)
+    return bool(flag.item())
+
+
+def _set_threads(cfg: TrainConfig, d: DistInfo, device: torch.device) -> None:
+    if cfg.num_threads is not None:
+        torch.set_num_threads(cfg.num_threads)
+    elif d.distributed and device.type == "cpu":  # do not oversubscribe the cores among local ranks
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", d.world_size))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))

@@ -1,0 +1,290 @@
+"""DSpark / DFlash draft model: heads, masks, loss, training/inference agreement, greedy losslessness."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dspark.drafters.base import NoDrafter
+from dspark.drafters.dspark import DSparkDrafter
+from dspark.drafters.dspark_model import DSparkConfig, resolve_mask_token_id
+from dspark.generation.generator import SpeculativeGenerator
+from dspark.sampling.processing import SamplingParams, logits_to_probs
+from dspark.training.blocks import sample_anchors
+
+from .tiny_drafters import LAYER_IDS, random_tokens, request_after, sample_for, tiny_dflash, tiny_dspark
+
+VARIANTS = {
+    "dspark": lambda t: tiny_dspark(t),
+    "dspark-rnn": lambda t: tiny_dspark(t, markov_head_type="rnn"),
+    "dspark-no-markov-conf": lambda t: tiny_dspark(t, confidence_head_with_markov=False),
+    "dflash": lambda t: tiny_dflash(t),
+}
+
+
+# --------------------------------------------------------------------------- config
+
+
+def test_config_presets_and_validation():
+    d = DSparkConfig.dflash(block_size=5)
+    assert (d.markov_rank, d.enable_confidence_head, d.ce_loss_alpha, d.l1_loss_alpha, d.confidence_head_alpha) == (
+        0, False, 1.0, 0.0, 0.0)
+    assert d.block_size == 5 and d.is_dflash
+    with pytest.raises(ValueError, match="unknown DSpark config keys"):
+        DSparkConfig.from_dict({"block_size": 7, "blok_size": 3})
+    with pytest.raises(ValueError, match="unknown"):
+        DSparkConfig.dflash(bogus=1)
+    with pytest.raises(ValueError, match="markov_head_type"):
+        DSparkConfig(markov_head_type="gru")
+    with pytest.raises(ValueError, match="confidence_head_with_markov"):
+        DSparkConfig(markov_rank=0)
+    with pytest.raises(ValueError, match="strictly increasing"):
+        DSparkConfig(target_layer_ids=[3, 1])
+
+
+def test_mask_token_id_default(tiny):
+    assert resolve_mask_token_id(tiny) == tiny.vocab_size - 1  # no tokenizer
+    model = tiny_dspark(tiny)
+    assert model.config.mask_token_id == tiny.vocab_size - 1
+    assert model.config.target_layer_ids == LAYER_IDS
+
+
+def test_frozen_copies_and_trainable_parameters(tiny):
+    model = tiny_dspark(tiny)
+    assert torch.equal(model.lm_head.weight, tiny.model.lm_head.weight)
+    assert torch.equal(model.embed_tokens.weight, tiny.model.model.embed_tokens.weight)
+    trainable = {id(p) for p in model.trainable_parameters()}
+    assert id(model.lm_head.weight) not in trainable and id(model.embed_tokens.weight) not in trainable
+    assert id(model.fc.weight) in trainable and id(model.markov_head.markov_w1.weight) in trainable
+    assert all(p.requires_grad for p in model.trainable_parameters())
+
+
+# --------------------------------------------------------------------------- heads, eqs. (5)-(7)
+
+
+def test_vanilla_markov_bias_eq5(tiny):
+    model = tiny_dspark(tiny)
+    hidden = torch.randn(3, tiny.hidden_size)
+    prev = torch.tensor([4, 7, 9])
+    _, logits, conf = model.head_step(None, hidden, prev)
+    mh = model.markov_head
+    bias = mh.markov_w1.weight[prev] @ mh.markov_w2.weight.T  # W1[x_{k-1}] W2
+    assert torch.allclose(logits, model.lm_head(hidden) + bias, atol=1e-5)
+    feats = torch.cat([hidden, mh.markov_w1.weight[prev]], dim=-1)  # eq. (7): [h_k; W1[x_{k-1}]]
+    ref = feats @ model.confidence_head.proj.weight[0] + model.confidence_head.proj.bias[0]
+    assert torch.allclose(conf, ref, atol=1e-5)
+
+
+def test_rnn_head_eq6(tiny):
+    model = tiny_dspark(tiny, markov_head_type="rnn")
+    mh, r = model.markov_head, model.config.markov_rank
+    hidden = torch.randn(2, 2, tiny.hidden_size)  # (N, steps, H)
+    prev = torch.tensor([[3, 5], [8, 2]])
+    state = torch.zeros(2, r)  # s_0 = 0
+    W, b = mh.joint_proj.weight, mh.joint_proj.bias
+    st = None
+    for k in range(2):
+        z = torch.cat([state, mh.markov_w1.weight[prev[:, k]], hidden[:, k]], dim=-1)
+        g = torch.sigmoid(z @ W[:r].T + b[:r])
+        c = torch.tanh(z @ W[r : 2 * r].T + b[r : 2 * r])
+        o = torch.tanh(z @ W[2 * r :].T + b[2 * r :])
+        state = g * state + (1 - g) * c
+        st, logits, _ = model.head_step(st, hidden[:, k], prev[:, k])
+        assert torch.allclose(st, state, atol=1e-5)
+        assert torch.allclose(logits, model.lm_head(hidden[:, k]) + o @ mh.markov_w2.weight.T, atol=1e-4)
+    # teacher-forced unrolling gives the same latents as stepping
+    lat = mh.latents(hidden, prev)
+    assert torch.allclose(model.markov_head.bias(lat[:, 1]), logits - model.lm_head(hidden[:, 1]), atol=1e-4)
+
+
+# --------------------------------------------------------------------------- attention mask property
+
+
+def test_block_ignores_context_at_and_after_its_anchor_and_other_blocks(tiny):
+    model = tiny_dspark(tiny)
+    tokens = random_tokens(24, seed=3)
+    sample = sample_for(tiny, tokens, LAYER_IDS)
+    anchors = torch.tensor([6, 14])
+    base = model.block_outputs(sample, anchors)
+
+    # change target features at positions >= 6: block 0 unchanged, block 1 (anchor 14) changes
+    feats = sample.target_features.clone()
+    feats[6:] += torch.randn_like(feats[6:])
+    changed = model.block_outputs(type(sample)(sample.input_ids, sample.loss_mask, feats, sample.target_last_hidden),
+                                  anchors)
+    assert torch.allclose(changed.hidden[0], base.hidden[0], atol=1e-6)
+    assert not torch.allclose(changed.hidden[1], base.hidden[1], atol=1e-3)
+
+    # negative control: a feature strictly before anchor 6 does change block 0
+    feats = sample.target_features.clone()
+    feats[5] += 1.0
+    changed = model.block_outputs(type(sample)(sample.input_ids, sample.loss_mask, feats, sample.target_last_hidden),
+                                  anchors)
+    assert not torch.allclose(changed.hidden[0], base.hidden[0], atol=1e-3)
+
+    # change block 1's anchor token (its input): block 0 unchanged, block 1 changes
+    ids = sample.input_ids.clone()
+    ids[14] = (ids[14] + 1) % tiny.vocab_size
+    changed = model.block_outputs(type(sample)(ids, sample.loss_mask, sample.target_features,
+                                               sample.target_last_hidden), anchors)
+    assert torch.allclose(changed.hidden[0], base.hidden[0], atol=1e-6)
+    assert not torch.allclose(changed.hidden[1], base.hidden[1], atol=1e-3)
+
+
+def test_packed_blocks_equal_blocks_run_alone(tiny):
+    model = tiny_dspark(tiny)
+    sample = sample_for(tiny, random_tokens(20, seed=4), LAYER_IDS)
+    both = model.block_logits(sample, torch.tensor([3, 11]))
+    alone = model.block_logits(sample, torch.tensor([11]))
+    assert torch.allclose(both[1], alone[0], atol=1e-4)
+
+
+# --------------------------------------------------------------------------- training == inference
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_training_forward_matches_propose_distributions(tiny, variant):
+    """Teacher-forced training logits on prompt+drafts equal the distributions propose sampled from."""
+    model = VARIANTS[variant](tiny)
+    drafter = DSparkDrafter(model)
+    G = model.config.block_size
+    prompt = random_tokens(9, seed=5)
+    req = request_after(tiny, prompt, LAYER_IDS, SamplingParams(temperature=1.0, seed=1))
+    block = drafter.propose([req], [G])
+    drafts = block.tokens[0].tolist()
+
+    sample = sample_for(tiny, prompt + drafts, LAYER_IDS)
+    anchor = torch.tensor([len(prompt) - 1])
+    out = model.block_outputs(sample, anchor)
+    assert out.blocks.labels[0].tolist() == drafts  # slot k predicts anchor + k + 1
+    train_probs = torch.softmax(model.draft_logits(out.hidden, out.latents)[0], dim=-1)  # (G, V)
+    assert torch.allclose(train_probs, block.draft_probs[0], atol=1e-5)
+    if model.confidence_head is not None:
+        assert torch.allclose(out.confidence_logits[0], block.confidence_logits[0], atol=1e-4)
+    else:
+        assert block.confidence_logits is None
+
+
+def test_propose_incremental_context_equals_fresh(tiny):
+    """Projecting only new context rows (cached) gives the same block as projecting everything anew."""
+    model = tiny_dspark(tiny)
+    drafter = DSparkDrafter(model)
+    tokens = random_tokens(12, seed=6)
+    req = request_after(tiny, tokens[:7], LAYER_IDS, SamplingParams(temperature=0.0))
+    drafter.propose([req], [4])
+    # the loop commits 5 more tokens and appends their features
+    full = request_after(tiny, tokens, LAYER_IDS, SamplingParams(temperature=0.0))
+    req.tokens, req.context_features = list(tokens), full.context_features
+    cached = drafter.propose([req], [4])
+    fresh = drafter.propose([full], [4])
+    assert torch.equal(cached.tokens, fresh.tokens)
+    assert torch.allclose(cached.draft_probs, fresh.draft_probs, atol=1e-6)
+
+
+def test_propose_shapes_per_request_limits_and_processing(tiny):
+    drafter = DSparkDrafter(tiny_dspark(tiny), block_size=3)
+    reqs = [
+        request_after(tiny, random_tokens(5, seed=7), LAYER_IDS, SamplingParams(temperature=0.7, top_k=5, seed=2)),
+        request_after(tiny, random_tokens(9, seed=8), LAYER_IDS, SamplingParams(temperature=1.0, top_p=0.5, seed=3)),
+    ]
+    block = drafter.propose(reqs, [1, 7])
+    assert block.num_tokens.tolist() == [1, 3] and block.tokens.shape == (2, 3)
+    assert torch.equal(block.draft_probs[0, 1:], torch.zeros(2, tiny.vocab_size))
+    assert (block.draft_probs[0, 0] > 0).sum() <= 5  # top-k applied to the draft as to the target
+    for r, n in enumerate([1, 3]):
+        for k in range(n):
+            assert block.draft_probs[r, k].sum().item() == pytest.approx(1.0, abs=1e-5)
+            assert block.draft_probs[r, k, block.tokens[r, k]] > 0
+    with pytest.raises(ValueError, match="trained with block_size"):
+        DSparkDrafter(tiny_dspark(tiny), block_size=9)
+
+
+# --------------------------------------------------------------------------- loss by hand
+
+
+@pytest.mark.parametrize("variant", ["dspark", "dspark-rnn", "dflash"])
+def test_training_loss_matches_hand_computation(tiny, variant):
+    model = VARIANTS[variant](tiny)
+    cfg = model.config
+    tokens = random_tokens(30, seed=9)
+    loss_mask = [0] * 8 + [1] * 14 + [0] * 2 + [1] * 6
+    sample = sample_for(tiny, tokens, LAYER_IDS, loss_mask)
+    loss, metrics = model.training_loss(sample, torch.Generator().manual_seed(11))
+
+    anchors = sample_anchors(sample.loss_mask, cfg.num_anchors, torch.Generator().manual_seed(11))
+    out = model.block_outputs(sample, anchors)
+    logits = model.draft_logits(out.hidden, out.latents)  # (A, G, V)
+    b = out.blocks
+    total_w = ce_num = l1_num = bce_num = 0.0
+    acc_sum = [0.0] * cfg.block_size
+    acc_cnt = [0] * cfg.block_size
+    for a in range(b.num_blocks):
+        for k in range(cfg.block_size):
+            if not b.eval_mask[a, k]:
+                continue
+            w = math.exp(-k / cfg.loss_decay_gamma)
+            draft = torch.softmax(logits[a, k], -1)
+            target = torch.softmax(tiny.model.logits(sample.target_last_hidden[b.anchors[a] + k]), -1)
+            ce = -math.log(draft[b.labels[a, k]].item())
+            l1 = (draft - target).abs().sum().item()
+            soft = min(max(1 - l1 / 2, 0.0), 1.0)
+            total_w += w
+            ce_num += w * ce
+            l1_num += w * l1
+            acc_sum[k] += soft
+            acc_cnt[k] += 1
+            if out.confidence_logits is not None:
+                c = 1 / (1 + math.exp(-out.confidence_logits[a, k].item()))
+                bce_num += w * -(soft * math.log(c) + (1 - soft) * math.log(1 - c))
+    assert total_w > 0
+    expected = (cfg.ce_loss_alpha * ce_num + cfg.l1_loss_alpha * l1_num + cfg.confidence_head_alpha * bce_num) / total_w
+    assert loss.item() == pytest.approx(expected, rel=1e-4)
+    assert metrics["ce"] == pytest.approx(ce_num / total_w, rel=1e-4)
+    assert metrics["l1"] == pytest.approx(l1_num / total_w, rel=1e-4)
+    for k in range(cfg.block_size):
+        if acc_cnt[k]:
+            assert metrics[f"acc@{k}"] == pytest.approx(acc_sum[k] / acc_cnt[k], rel=1e-4)
+    loss.backward()
+    grads = [p.grad for p in model.trainable_parameters()]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)
+    assert model.lm_head.weight.grad is None and model.embed_tokens.weight.grad is None
+
+
+def test_training_loss_without_anchors_is_a_connected_zero(tiny):
+    model = tiny_dspark(tiny)
+    sample = sample_for(tiny, random_tokens(10, seed=2), LAYER_IDS, [0] * 10)
+    loss, metrics = model.training_loss(sample, torch.Generator().manual_seed(0))
+    assert loss.item() == 0.0 and metrics["num_blocks"] == 0.0
+    loss.backward()
+    assert all(p.grad is not None for p in model.trainable_parameters())
+
+
+def test_a_few_steps_reduce_the_loss(tiny):
+    """Sanity: Adam on one sequence lowers the loss (the maths trains); fixed seeds."""
+    model = tiny_dspark(tiny, num_anchors=8)
+    sample = sample_for(tiny, random_tokens(24, seed=12), LAYER_IDS)
+    opt = torch.optim.Adam(model.trainable_parameters(), lr=3e-3)
+    first = None
+    for step in range(15):
+        loss, _ = model.training_loss(sample, torch.Generator().manual_seed(0))
+        first = first if first is not None else loss.item()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < 0.8 * first
+
+
+# --------------------------------------------------------------------------- losslessness (greedy)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_greedy_speculative_equals_plain_greedy(tiny, variant):
+    drafter = DSparkDrafter(VARIANTS[variant](tiny))
+    prompts = [random_tokens(6, seed=13), random_tokens(11, seed=14)]
+    sp = SamplingParams(temperature=0.0, max_new_tokens=24)
+    plain = SpeculativeGenerator(tiny, NoDrafter(tiny.vocab_size)).generate(prompts, sp)
+    spec = SpeculativeGenerator(tiny, drafter).generate(prompts, sp)
+    for a, b in zip(plain, spec):
+        assert a.output_ids == b.output_ids

@@ -1,0 +1,66 @@
+"""Tiny random drafters (DSpark, DFlash, Eagle3) on the tiny target, for fast tests."""
+
+from __future__ import annotations
+
+import torch
+
+from dspark.drafters.base import RequestState
+from dspark.drafters.dspark_model import DSparkConfig, DSparkModel
+from dspark.drafters.eagle3_model import Eagle3Config, Eagle3Model
+from dspark.sampling.processing import SamplingParams
+from dspark.target.model import TargetModel
+from dspark.training.sample import TrainSample, make_train_sample
+
+LAYER_IDS = [0, 2, 3]  # three of the tiny target's four layers
+
+
+def sharpen(model: torch.nn.Module, std: float = 0.3) -> torch.nn.Module:
+    """Scale the trainable matrices from the N(0, 0.02) init to N(0, std), like the tiny target's
+    weights, so the Markov bias and the confidence head matter in an untrained drafter."""
+    with torch.no_grad():
+        for p in model.trainable_parameters():
+            if p.dim() == 2:
+                p.mul_(std / 0.02)
+    return model
+
+
+def tiny_dspark(target: TargetModel, seed: int = 0, **overrides) -> DSparkModel:
+    kw = dict(block_size=4, markov_rank=8, num_anchors=6, target_layer_ids=LAYER_IDS)
+    kw.update(overrides)
+    model = DSparkModel.from_target(target, DSparkConfig(**kw), torch.Generator().manual_seed(seed))
+    return sharpen(model)
+
+
+def tiny_dflash(target: TargetModel, seed: int = 0, **overrides) -> DSparkModel:
+    kw = dict(block_size=4, num_anchors=6, target_layer_ids=LAYER_IDS)
+    kw.update(overrides)
+    model = DSparkModel.from_target(target, DSparkConfig.dflash(**kw), torch.Generator().manual_seed(seed))
+    return sharpen(model)
+
+
+def tiny_eagle3(target: TargetModel, seed: int = 0, **overrides) -> Eagle3Model:
+    kw = dict(ttt_length=3, block_size=3, target_layer_ids=LAYER_IDS)
+    kw.update(overrides)
+    model = Eagle3Model.from_target(target, Eagle3Config(**kw), torch.Generator().manual_seed(seed))
+    return sharpen(model)
+
+
+def random_tokens(n: int, seed: int, vocab: int = 96, low: int = 3) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(low, vocab, (n,), generator=g).tolist()
+
+
+def sample_for(target: TargetModel, tokens: list[int], layer_ids: list[int],
+               loss_mask: list[int] | None = None) -> TrainSample:
+    return make_train_sample(target, tokens, loss_mask, layer_ids)
+
+
+def request_after(target: TargetModel, tokens: list[int], layer_ids: list[int],
+                  sampling: SamplingParams | None = None, seed: int = 0) -> RequestState:
+    """A request whose committed tokens are ``tokens`` (last = anchor), context features as the loop keeps them."""
+    sampling = sampling or SamplingParams(temperature=1.0, max_new_tokens=32, seed=seed)
+    req = RequestState("r", len(tokens) - 1, list(tokens), sampling, sampling.make_generator())
+    ids = torch.tensor(tokens[:-1], dtype=torch.long)
+    out = target.forward(ids, [len(ids)], None, capture_layers=layer_ids, logits_for="none")
+    req.context_features = out.features
+    return req

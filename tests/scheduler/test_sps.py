@@ -1,0 +1,185 @@
+"""SPS cost table: SGLang JSON format, floor-step lookup, validation, profiling."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dspark.scheduler.sps import UNLIMITED_BATCH_TOKENS, SPSTable, profile_sps
+
+TABLE = SPSTable((1, 8, 16), (50.0, 40.0, 25.0), 24)
+
+
+# ------------------------------------------------------------------- json
+def test_json_round_trip_in_sglang_format() -> None:
+    text = TABLE.to_json()
+    assert json.loads(text) == {
+        "sample_batch_tokens": [1, 8, 16],
+        "sample_steps_per_sec": [50.0, 40.0, 25.0],
+        "max_batch_tokens": 24,
+    }
+    assert SPSTable.from_json(text) == TABLE
+
+
+def test_reads_a_table_written_by_sglang() -> None:
+    text = '{"sample_batch_tokens":[8,16,32],"sample_steps_per_sec":[61.5,60,41.25],"max_batch_tokens":64}'
+    table = SPSTable.from_json(text)
+    assert table.sample_batch_tokens == (8, 16, 32)
+    assert table.sample_steps_per_sec == (61.5, 60.0, 41.25)
+    assert table.max_batch_tokens == 64
+
+
+def test_save_and_load(tmp_path) -> None:
+    path = tmp_path / "dspark_sps.json"
+    TABLE.save(path)
+    assert SPSTable.load(path) == TABLE
+    with pytest.raises(ValueError, match="does not exist"):
+        SPSTable.load(tmp_path / "missing.json")
+
+
+# ----------------------------------------------------------------- lookup
+@pytest.mark.parametrize(
+    "batch_tokens, expected",
+    [
+        (0, 50.0),  # below the first sample: the first value
+        (1, 50.0),
+        (7, 50.0),  # floor step
+        (8, 40.0),
+        (15, 40.0),
+        (16, 25.0),
+        (24, 25.0),  # up to capacity: the last value
+        (25, 0.0),  # beyond max_batch_tokens: no capacity
+        (10_000, 0.0),
+    ],
+)
+def test_floor_lookup(batch_tokens: int, expected: float) -> None:
+    assert TABLE.sps(batch_tokens) == expected
+
+
+def test_tensor_lookup_matches_scalar_lookup() -> None:
+    batch_tokens = torch.arange(0, 40)
+    expected = torch.tensor([TABLE.sps(int(b)) for b in batch_tokens], dtype=torch.float64)
+    assert torch.equal(TABLE.sps_tensor(batch_tokens), expected)
+    assert torch.equal(TABLE.sps_tensor(batch_tokens.reshape(4, 10)), expected.reshape(4, 10))
+
+
+def test_flat_table_is_verify_all_fallback() -> None:
+    flat = SPSTable.flat()
+    assert flat.is_flat and not TABLE.is_flat
+    assert flat.to_dict() == {
+        "sample_batch_tokens": [1],
+        "sample_steps_per_sec": [1.0],
+        "max_batch_tokens": UNLIMITED_BATCH_TOKENS,
+    }
+    assert flat.sps(1) == flat.sps(123_456) == 1.0
+    assert SPSTable.flat(max_batch_tokens=32).sps(33) == 0.0
+
+
+# ------------------------------------------------------------- validation
+@pytest.mark.parametrize(
+    "tokens, sps, max_tokens, message",
+    [
+        ((), (), 1, "at least one sample"),
+        ((1, 2), (1.0,), 2, "equal length"),
+        ((1, 4, 4), (1.0, 1.0, 1.0), 4, "strictly increasing"),
+        ((4, 2), (1.0, 1.0), 4, "strictly increasing"),
+        ((0, 2), (1.0, 1.0), 4, "integers >= 1"),
+        ((1.5, 2), (1.0, 1.0), 4, "integers >= 1"),
+        ((1, 2), (1.0, 0.0), 4, "finite positive"),
+        ((1, 2), (1.0, float("nan")), 4, "finite positive"),
+        ((1, 2), (1.0, -3.0), 4, "finite positive"),
+        ((1, 8), (1.0, 1.0), 7, "max_batch_tokens"),
+    ],
+)
+def test_invalid_tables_raise(tokens, sps, max_tokens, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        SPSTable(tokens, sps, max_tokens)
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("not json", "not valid JSON"),
+        ("[1, 2]", "must be an object"),
+        ('{"sample_batch_tokens":[1],"sample_steps_per_sec":[1.0]}', "missing \\['max_batch_tokens'\\]"),
+        (
+            '{"sample_batch_tokens":[1],"sample_steps_per_sec":[1.0],"max_batch_tokens":1,"gpu":"h100"}',
+            "unknown \\['gpu'\\]",
+        ),
+        ('{"sample_batch_tokens":1,"sample_steps_per_sec":[1.0],"max_batch_tokens":1}', "must be a list"),
+        (
+            '{"bias_seconds":0.01,"bs_probes":[1],"alpha_seconds":[0.0],'
+            '"m_probes":[1],"theta_seconds":[0.0]}',
+            "additive",
+        ),
+    ],
+)
+def test_invalid_json_raises(text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SPSTable.from_json(text)
+
+
+# -------------------------------------------------------------- profiling
+class FakeClock:
+    """A clock that only moves when the fake step function says so."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_profile_sps_with_fake_clock() -> None:
+    clock = FakeClock()
+    calls: list[int] = []
+    # step time = 0.01 s per token, except one slow outlier per grid point (the 2nd
+    # timed call) and a very slow first (warm-up) call: the median must ignore both
+    def step_fn(batch_tokens: int) -> None:
+        done = sum(1 for b in calls if b == batch_tokens)
+        calls.append(batch_tokens)
+        cost = 0.01 * batch_tokens
+        if done == 0:
+            cost *= 100  # warm-up: compilation, allocation
+        elif done == 2:
+            cost *= 10  # an outlier among the timed repeats
+        clock.now += cost
+
+    table = profile_sps(step_fn, [16, 1, 4], repeats=5, warmup=1, clock=clock)
+    assert table.sample_batch_tokens == (1, 4, 16)  # sorted
+    assert table.sample_steps_per_sec == pytest.approx((100.0, 25.0, 6.25))  # 1 / median
+    assert table.max_batch_tokens == 16
+    assert calls == [1] * 6 + [4] * 6 + [16] * 6  # warm-up + repeats, grid in order
+
+
+def test_profile_sps_even_repeats_and_capacity() -> None:
+    clock = FakeClock()
+    times = iter([0.1, 0.3, 0.2, 0.4])  # median of 4 = (0.2 + 0.3) / 2
+
+    def step_fn(batch_tokens: int) -> None:
+        clock.now += next(times)
+
+    table = profile_sps(step_fn, [8], repeats=4, warmup=0, max_batch_tokens=32, clock=clock)
+    assert table.sample_steps_per_sec == pytest.approx((4.0,))
+    assert table.max_batch_tokens == 32
+
+
+@pytest.mark.parametrize(
+    "grid, kwargs, message",
+    [
+        ([], {}, "empty"),
+        ([0, 4], {}, ">= 1"),
+        ([4, 4], {}, "duplicates"),
+        ([4], {"repeats": 0}, "repeats"),
+    ],
+)
+def test_profile_sps_rejects_bad_arguments(grid, kwargs, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        profile_sps(lambda b: None, grid, clock=FakeClock(), **kwargs)
+
+
+def test_profile_sps_rejects_a_clock_that_does_not_move() -> None:
+    with pytest.raises(ValueError, match="too coarse"):
+        profile_sps(lambda b: None, [1], clock=FakeClock())

@@ -1,0 +1,128 @@
+"""Regenerating assistant turns with the target: record shape, multi-turn history, errors, resume."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dspark.training.regenerate import error_path, regenerate
+from tests.tiny import tiny_target
+
+ROLE_IDS = {"system": 2, "user": 3, "assistant": 4}
+END = 5  # end of a message; the tiny target's eos is 1
+
+
+class CharTokenizer:
+    """A tiny chat tokenizer over the tiny target's 96 ids: one id per character (6..95)."""
+
+    chat_template = "role-char-end"
+    eos_token_id = 1
+
+    def __init__(self) -> None:
+        self.rendered: list[list[dict]] = []  # every conversation rendered for a prompt
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [6 + (ord(c) % 90) for c in text]
+
+    def apply_chat_template(self, messages, add_generation_prompt=False, tokenize=True, **kwargs):
+        self.rendered.append([dict(m) for m in messages])
+        ids = []
+        for m in messages:
+            ids += [ROLE_IDS[m["role"]]] + self.encode(m["content"]) + [END]
+        if add_generation_prompt:
+            ids.append(ROLE_IDS["assistant"])
+        return ids
+
+    def decode(self, ids, skip_special_tokens=False) -> str:
+        return "".join(chr(ord("!") + (i - 6) % 90) if i >= 6 else ("" if skip_special_tokens else f"<{i}>")
+                       for i in ids)
+
+
+def chat_target():
+    target = tiny_target()
+    target.tokenizer = CharTokenizer()
+    return target
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+RECORDS = [
+    {"id": "a", "domain": "math", "conversations": [{"role": "user", "content": "one plus one"}]},
+    {"id": "b", "conversations": [
+        {"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "ORIGINAL REPLY"}, {"role": "user", "content": "and then?"}]},
+    {"turns": ["a first turn", "a second turn"]},  # eval-style record, id = line number
+    {"id": "long", "conversations": [{"role": "user", "content": "x" * 600}]},  # over the 512-token context
+    {"id": "empty", "conversations": [{"role": "assistant", "content": "no user turn"}]},
+]
+
+
+def test_records_have_the_deepspec_shape_and_errors_go_aside(tmp_path):
+    target = chat_target()
+    src = write_jsonl(tmp_path / "prompts.jsonl", RECORDS)
+    out = tmp_path / "regen.jsonl"
+    stats = regenerate(target, src, out, batch_size=2, max_new_tokens=6, seed=3, progress=False)
+    assert (stats.succeeded, stats.failed, stats.skipped) == (3, 2, 0)
+    done = {str(r["id"]): r for r in read_jsonl(out)}
+    assert set(done) == {"a", "b", "2"}
+    assert done["a"]["domain"] == "math" and done["a"]["status"] == "success"
+    assert [m["role"] for m in done["a"]["conversations"]] == ["user", "assistant"]
+    b = done["b"]["conversations"]
+    assert [m["role"] for m in b] == ["system", "user", "assistant", "user", "assistant"]
+    assert b[0]["content"] == "be brief" and "ORIGINAL REPLY" not in json.dumps(b)
+    assert [m["role"] for m in done["2"]["conversations"]] == ["user", "assistant", "user", "assistant"]
+    errors = {r["id"]: r for r in read_jsonl(error_path(out))}
+    assert set(errors) == {"long", "empty"} and all(r["status"] == "error" and r["error"] for r in errors.values())
+    assert "context" in errors["long"]["error"]
+
+
+def test_each_turn_sees_the_regenerated_history(tmp_path):
+    target = chat_target()
+    src = write_jsonl(tmp_path / "p.jsonl", [RECORDS[1]])
+    out = tmp_path / "o.jsonl"
+    regenerate(target, src, out, max_new_tokens=4, progress=False)
+    final = read_jsonl(out)[0]["conversations"]
+    second_prompt = target.tokenizer.rendered[-1]  # what the target was asked for the second reply
+    assert second_prompt == final[:4]  # system, user, the *regenerated* reply, user
+    assert second_prompt[2]["content"] == final[2]["content"] != "ORIGINAL REPLY"
+
+
+def test_seeded_output_is_reproducible_and_sampling_varies_with_the_seed(tmp_path):
+    src = write_jsonl(tmp_path / "p.jsonl", RECORDS[:3])
+    texts = []
+    for name, seed in (("x", 5), ("y", 5), ("z", 6)):
+        out = tmp_path / f"{name}.jsonl"
+        regenerate(chat_target(), src, out, batch_size=3, max_new_tokens=8, temperature=1.0, top_p=1.0, top_k=0,
+                   seed=seed, progress=False)
+        texts.append(out.read_text())
+    assert texts[0] == texts[1]
+    assert texts[0] != texts[2]  # negative control: a different seed gives different samples
+
+
+def test_resume_skips_done_ids_and_cuts_a_torn_line(tmp_path):
+    src = write_jsonl(tmp_path / "p.jsonl", RECORDS[:3])
+    out = tmp_path / "o.jsonl"
+    first = regenerate(chat_target(), src, out, max_new_tokens=4, limit=1, progress=False)
+    assert first.succeeded == 1
+    kept = out.read_text()
+    with open(out, "a") as f:
+        f.write('{"id": "b", "conversations": [')  # killed mid-write
+    again = regenerate(chat_target(), src, out, max_new_tokens=4, progress=False)
+    assert (again.skipped, again.succeeded) == (1, 2)
+    assert out.read_text().startswith(kept)
+    ids = [str(r["id"]) for r in read_jsonl(out)]
+    assert ids == ["a", "b", "2"]
+
+
+def test_needs_a_tokenizer(tmp_path):
+    src = write_jsonl(tmp_path / "p.jsonl", RECORDS[:1])
+    with pytest.raises(Exception, match="tokenizer"):
+        regenerate(tiny_target(), src, tmp_path / "o.jsonl", progress=False)

@@ -1,0 +1,216 @@
+"""The training loop: LR schedule, data order, checkpoints, resume, time budget, config, overfitting."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from dspark.training.config import (
+    TrainConfig, TrainConfigError, build_model_config, config_from_dict, load_config, preset_names,
+)
+from dspark.training.trainer import DataOrder, drafter_class, latest_checkpoint, lr_multiplier, train
+from tests.tiny import tiny_target
+
+TINY_DSPARK = {"block_size": 4, "num_anchors": 8, "markov_rank": 16}
+
+
+def random_data(n: int, length: int = 24, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        mask = torch.ones(length, dtype=torch.long)
+        mask[:4] = 0  # a "prompt" that is not supervised
+        out.append({"input_ids": torch.randint(2, 96, (length,), generator=g), "loss_mask": mask})
+    return out
+
+
+def tiny_cfg(out, **kw) -> TrainConfig:
+    base = dict(drafter="dspark", out=str(out), max_steps=4, log_every=1, checkpoint_every=2, grad_accum=2,
+                num_threads=1, model=dict(TINY_DSPARK))
+    return TrainConfig(**{**base, **kw})
+
+
+def read_metrics(out) -> dict[int, dict]:
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    return {d["step"]: d for d in map(json.loads, lines)}
+
+
+# ---------------------------------------------------------------- schedule and order
+
+def test_lr_schedule_warmup_then_cosine_to_zero():
+    total, warmup = 100, int(0.04 * 100)
+    lrs = [lr_multiplier(s, total, warmup) for s in range(total)]
+    assert lrs[:4] == [0.25, 0.5, 0.75, 1.0]  # linear warmup, (step+1)/warmup
+    assert lrs[4] == 1.0  # the cosine starts at the peak
+    assert all(a >= b for a, b in zip(lrs[4:], lrs[5:]))  # then only decreases
+    assert lrs[4 + 48] == pytest.approx(0.5)  # half-way through the decay
+    assert 0 < lrs[-1] < 1e-3 and lr_multiplier(total, total, warmup) == pytest.approx(0.0)
+    assert lr_multiplier(0, 10, 0) == 1.0  # no warmup: peak from step 0
+
+
+def test_data_order_disjoint_ranks_whole_epochs_and_deterministic():
+    order = DataOrder(num_samples=23, world_size=2, grad_accum=3, seed=7)
+    assert order.global_batch == 6 and order.steps_per_epoch == 3
+    epoch0 = [i for s in range(3) for r in range(2) for i in order.indices(s, r)]
+    assert len(epoch0) == len(set(epoch0)) == 18  # no sample twice within an epoch, ranks disjoint
+    for s in range(3):
+        assert not set(order.indices(s, 0)) & set(order.indices(s, 1))
+    assert order.indices(3, 0) != order.indices(0, 0) or order.indices(3, 1) != order.indices(0, 1)  # reshuffled
+    assert DataOrder(23, 2, 3, 7).indices(4, 1) == order.indices(4, 1)
+    assert DataOrder(23, 2, 3, 8).permutation(0).tolist() != order.permutation(0).tolist()
+
+
+# ---------------------------------------------------------------- checkpoints and resume
+
+def test_checkpoint_layout_latest_symlink_and_summary(tmp_path):
+    target, data = tiny_target(), random_data(6)
+    out = tmp_path / "run"
+    last = train(tiny_cfg(out), target=target, dataset=data)
+    assert last == out / "step_4"
+    assert {p.name for p in out.iterdir()} >= {"step_2", "step_4", "step_latest", "tb", "metrics.jsonl",
+                                               "train_summary.json"}
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temp folders left behind
+    link = out / "step_latest"
+    assert link.is_symlink() and str(link.readlink()) == "step_4"  # relative: the folder can move
+    for step in ("step_2", "step_4"):
+        names = {p.name for p in (out / step).iterdir()}
+        assert names == {"model.safetensors", "config.json", "train_config.json", "training_state.rank0.pt"}
+    assert list((out / "tb").glob("events.out.tfevents.*"))
+    # train_config.json works as --config again
+    again = load_config(str(out / "step_4" / "train_config.json"))
+    assert again.model == TINY_DSPARK and again.max_steps == 4
+    # the saved drafter reloads with the trained weights
+    reloaded = drafter_class("dspark").from_checkpoint(out / "step_4", target)
+    fresh = drafter_class("dspark").from_target(target, build_model_config(tiny_cfg(out), target.default_layer_ids()))
+    assert not torch.equal(reloaded.fc.weight, fresh.fc.weight)
+    summary = json.loads((out / "train_summary.json").read_text())
+    assert summary["steps"] == 4 and summary["stopped_by"] == "max_steps"
+    assert summary["tokens_seen"] == 4 * 2 * 24 and summary["last_checkpoint"] == str(last)
+    assert {"loss", "lr", "grad_norm", "tokens_per_s", "acc@0"} <= set(summary["final_metrics"])
+
+
+class _Killed(Exception):
+    pass
+
+
+class _DiesAfter:
+    """A dataset that 'kills' the run when step ``die_at`` asks for its first sample."""
+
+    def __init__(self, data, die_after_reads: int) -> None:
+        self.data, self.left = data, die_after_reads
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i):
+        if self.left == 0:
+            raise _Killed()
+        self.left -= 1
+        return self.data[i]
+
+
+@pytest.mark.parametrize("drafter", ["dspark", "eagle3"])
+def test_resume_after_kill_gives_the_same_next_step_loss(tmp_path, drafter):
+    target, data = tiny_target(), random_data(6)
+    model = TINY_DSPARK if drafter == "dspark" else {"ttt_length": 3}
+    full = tmp_path / "full"
+    train(tiny_cfg(full, drafter=drafter, model=model), target=target, dataset=data)
+
+    cut = tmp_path / "cut"
+    cfg = tiny_cfg(cut, drafter=drafter, model=model)
+    with pytest.raises(_Killed):  # dies during step 3 (2 samples per step), after checkpoint step_2
+        train(cfg, target=target, dataset=_DiesAfter(data, die_after_reads=2 * 2 + 1))
+    assert latest_checkpoint(cut) == (cut / "step_2").resolve()
+    with pytest.raises(Exception, match="--resume"):
+        train(cfg, target=target, dataset=data)
+    train(cfg, resume=True, target=target, dataset=data)
+
+    a, b = read_metrics(full), read_metrics(cut)
+    assert sorted(b) == [1, 2, 3, 4]  # lines from the killed session after step 2 were dropped
+    for step in (3, 4):
+        assert b[step]["loss"] == pytest.approx(a[step]["loss"], rel=1e-5, abs=1e-7)
+        assert b[step]["lr"] == pytest.approx(a[step]["lr"])
+    # negative control: the loss does change from step to step, so equality above is informative
+    assert a[3]["loss"] != pytest.approx(a[4]["loss"], rel=1e-5)
+
+
+def test_time_budget_stops_at_a_step_boundary_with_a_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    last = train(tiny_cfg(out, time_budget_s=0.0), target=tiny_target(), dataset=random_data(6))
+    assert last == out / "step_1" and (out / "step_latest").resolve() == last.resolve()
+    summary = json.loads((out / "train_summary.json").read_text())
+    assert summary["stopped_by"] == "time_budget" and summary["steps"] == 1
+
+
+def test_too_little_data_for_one_global_batch_is_a_clear_error(tmp_path):
+    with pytest.raises(TrainConfigError, match="global batch"):
+        train(tiny_cfg(tmp_path / "r", grad_accum=8), target=tiny_target(), dataset=random_data(3))
+
+
+# ---------------------------------------------------------------- config
+
+def test_presets_load_open_with_their_command_and_map_onto_model_configs():
+    names = preset_names()
+    assert {"smollm2-dspark-markov", "smollm2-dspark-rnn", "smollm2-dflash", "smollm2-eagle3", "qwen3-8b-dspark",
+            "qwen3-4b-dspark", "qwen3-14b-dspark", "qwen3-8b-dflash", "qwen3-8b-eagle3"} <= set(names)
+    from importlib import resources
+
+    for name in names:
+        raw = json.loads(resources.files("dspark").joinpath("configs", f"{name}.json").read_text())
+        assert next(iter(raw)) == "_command" and f"--config {name}" in raw["_command"]
+        cfg = load_config(name)
+        model_cfg = build_model_config(cfg, [1, 2, 3, 4, 5])
+        assert model_cfg.block_size == 7
+    q8 = load_config("qwen3-8b-dspark")
+    mc = build_model_config(q8)
+    assert (mc.num_draft_layers, mc.target_layer_ids, mc.mask_token_id, mc.num_anchors, mc.markov_rank) == (
+        5, [1, 9, 17, 25, 33], 151669, 512, 256)
+    assert (q8.lr, q8.warmup_ratio, q8.global_batch_size, q8.epochs, q8.dtype) == (6e-4, 0.04, 512, 10, "bfloat16")
+    assert build_model_config(load_config("qwen3-14b-dspark")).target_layer_ids == [1, 10, 19, 28, 37]
+    df = build_model_config(load_config("qwen3-8b-dflash"))
+    assert (df.markov_rank, df.enable_confidence_head, df.ce_loss_alpha, df.l1_loss_alpha) == (0, False, 1.0, 0.0)
+
+
+def test_overrides_dotted_keys_and_unknown_keys_are_errors():
+    cfg = load_config("smollm2-dspark-markov", ["lr=1e-3", "model.num_anchors=8", "data=some/dir", "max_steps=3"])
+    assert (cfg.lr, cfg.model["num_anchors"], cfg.data, cfg.max_steps) == (1e-3, 8, ["some/dir"], 3)
+    assert load_config("smollm2-dspark-markov", drafter="dflash").drafter == "dflash"
+    with pytest.raises(TrainConfigError, match="unknown training config key"):
+        load_config("smollm2-dspark-markov", ["learning_rate=1"])
+    with pytest.raises(TrainConfigError, match="unknown model config key"):
+        load_config("smollm2-dspark-markov", ["model.anchors=8"])
+    with pytest.raises(TrainConfigError, match="wrong type"):
+        load_config("smollm2-dspark-markov", ["lr=fast"])
+    with pytest.raises(TrainConfigError, match="key=value"):
+        load_config("smollm2-dspark-markov", ["lr"])
+    with pytest.raises(TrainConfigError, match="no such preset"):
+        load_config("no-such-preset")
+    with pytest.raises(TrainConfigError, match="not both"):
+        config_from_dict({"grad_accum": 2, "global_batch_size": 8})
+    assert TrainConfig(global_batch_size=8).grad_accum_for(2) == 4
+    with pytest.raises(TrainConfigError, match="divisible"):
+        TrainConfig(global_batch_size=9).grad_accum_for(2)
+
+
+# ---------------------------------------------------------------- learning
+
+def _overfit(tmp_path, lr: float) -> tuple[float, float]:
+    out = tmp_path / f"lr{lr}"
+    cfg = tiny_cfg(out, max_steps=150, grad_accum=1, log_every=10, checkpoint_every=1000, lr=lr, warmup_ratio=0.0,
+                   model={"block_size": 4, "num_anchors": 16, "markov_rank": 16})
+    train(cfg, target=tiny_target(), dataset=random_data(2))
+    m = read_metrics(out)
+    first = m[10]["acc@0"]
+    last = sum(m[s]["acc@0"] for s in (130, 140, 150)) / 3
+    return first, last
+
+
+def test_overfitting_a_few_sequences_drives_acceptance_up(tmp_path):
+    first, last = _overfit(tmp_path, lr=1e-2)
+    assert last > first + 0.25 and last > 0.4, (first, last)
+    # negative control: without learning the acceptance estimate stays where it started
+    first0, last0 = _overfit(tmp_path, lr=1e-9)
+    assert abs(last0 - first0) < 0.05, (first0, last0)
