@@ -1,6 +1,16 @@
 import pytest
+import torch
 
 from tests.tiny import tiny_target
+
+
+@pytest.fixture(autouse=True, scope="session")
+def one_thread():
+    """Tests run tiny models: a second OpenMP thread only adds overhead and contention on 2-core machines."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")

@@ -17,6 +17,7 @@ _COMMAND_MODULES = (
     "dspark.evaluation.cli",
     "dspark.scheduler.cli",
     "dspark.serving.cli",
+    "dspark.reproduce",
     "dspark.demo",
 )
 

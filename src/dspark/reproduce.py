@@ -200,8 +200,8 @@ def plan(budget: Budget, out: str | Path, target: str, ablations: bool = False) 
 
     steps.append(Step("sweep", "eval", [
         "eval", *common_eval, "--datasets", "all", *jsonl, "--drafter", f"{SWEEP_DRAFTER}={ckpt[SWEEP_DRAFTER]}",
-        "--sweep-thresholds", ",".join(f"{t:g}" for t in budget.sweep_thresholds), "--out", str(out / "sweep"),
-    ], [str(out / "sweep" / "sweep" / SWEEP_DRAFTER / "sweep.json")]))
+        "--sweep-thresholds", ",".join(f"{t:g}" for t in budget.sweep_thresholds), "--out", str(out),
+    ], [str(out / "sweep" / SWEEP_DRAFTER / "sweep.json")]))  # eval --sweep-thresholds writes OUT/sweep/<name>
 
     if ablations:
         for label, series in (("depth", depth_series()), ("block", block_series(budget.block_ablation_layers))):
@@ -212,7 +212,8 @@ def plan(budget: Budget, out: str | Path, target: str, ablations: bool = False) 
             argv = ["eval", *common_eval, "--datasets", "all", "--out", str(root / "eval")]
             for s in series:
                 argv += ["--drafter", f"{s.name}={root / 'train' / s.name / LATEST}"]
-            steps.append(Step(f"ablation-{label}-eval", f"ablation-{label}", argv, [str(root / "eval" / "results.json")]))
+            steps.append(Step(f"ablation-{label}-eval", f"ablation-{label}", argv,
+                              [str(root / "eval" / "results.json")]))
     return steps
 
 
@@ -304,7 +305,8 @@ def _ablation_rows(results: dict[str, Any] | None, series: Sequence[Series]) -> 
         if s is None:
             continue
         for dom, summary in res["domains"].items():
-            rows.append({"series": s.series, "x": s.x, "domain": dom, "acceptance_length": summary["acceptance_length"]})
+            rows.append({"series": s.series, "x": s.x, "domain": dom,
+                         "acceptance_length": summary["acceptance_length"]})
         rows.append({"series": s.series, "x": s.x, "domain": "overall",
                      "acceptance_length": res["overall"]["acceptance_length"]})
     return rows
@@ -336,11 +338,11 @@ def write_docs(out: str | Path, budget: Budget, docs_path: str | Path, command: 
             calibration[name] = report
             add_figure(f"Reliability before/after STS, {name} (Fig. 6)", out / "calibrate" / name / "reliability.png",
                        f"reliability_{name}.png")
-    sweep = _read_json(out / "sweep" / "sweep" / SWEEP_DRAFTER / "sweep.json")
+    sweep = _read_json(out / "sweep" / SWEEP_DRAFTER / "sweep.json")
     sweep_rows = sweep["rows"] if sweep else []
     if sweep:
         add_figure(f"Static threshold sweep, {SWEEP_DRAFTER} (Fig. 5)",
-                   out / "sweep" / "sweep" / SWEEP_DRAFTER / "sweep.png", "threshold_sweep.png")
+                   out / "sweep" / SWEEP_DRAFTER / "sweep.png", "threshold_sweep.png")
     ablations = {}
     specs = (("depth", "Drafter depth at block size 7 (Fig. 3)", "layers", depth_series()),
              ("block", f"Draft length gamma + 1 at {budget.block_ablation_layers} draft layer(s) (Fig. 4)",

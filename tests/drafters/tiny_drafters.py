@@ -64,3 +64,31 @@ def request_after(target: TargetModel, tokens: list[int], layer_ids: list[int],
     out = target.forward(ids, [len(ids)], None, capture_layers=layer_ids, logits_for="none")
     req.context_features = out.features
     return req
+
+
+def greedy_continuation(target: TargetModel, prompt: list[int], n: int) -> list[int]:
+    from dspark.drafters.base import NoDrafter
+    from dspark.generation.generator import SpeculativeGenerator
+
+    sp = SamplingParams(temperature=0.0, max_new_tokens=n)
+    return SpeculativeGenerator(target, NoDrafter(target.vocab_size)).generate([prompt], sp)[0].output_ids
+
+
+def overfit(model: torch.nn.Module, sample: TrainSample, steps: int = 100, lr: float = 3e-3) -> dict[str, float]:
+    """Train on one sequence (fixed seeds) so that drafts get accepted; returns the last metrics."""
+    opt = torch.optim.Adam(model.trainable_parameters(), lr=lr)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        loss, metrics = model.training_loss(sample, gen)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return metrics
+
+
+def overfit_on_greedy(target: TargetModel, model: torch.nn.Module, prompt: list[int], n: int = 40) -> list[int]:
+    """Overfit ``model`` to the target's greedy continuation of ``prompt``; returns that continuation."""
+    cont = greedy_continuation(target, prompt, n)
+    mask = [0] * (len(prompt) - 1) + [1] * (len(cont) + 1)
+    overfit(model, sample_for(target, prompt + cont, model.target_layer_ids, mask))
+    return cont

@@ -66,7 +66,7 @@ class OracleConfidenceDrafter:
                 probs = logits_to_probs(logits * self.flatten, t)
                 x = int(sample_from_probs(probs, req.generator))
                 accept = min(1.0, float(target_probs[x] / probs[x]))
-                accept = min(max(accept, 1e-4), 1 - 1e-4)
+                accept = min(max(accept, 1e-3), 1 - 1e-3)  # sigmoid(inflate * logit) stays < 1 in float32
                 tokens[r, k], draft_probs[r, k] = x, probs
                 conf[r, k] = self.inflate * math.log(accept / (1 - accept))
                 context.append(x)
@@ -249,7 +249,8 @@ def test_sweep_rows_pool_the_domain():
     stats_b.add_step(0, 0, 1)  # threshold cut everything
     results = {
         "domains": {"math": ["gsm8k", "math500"]},
-        "drafters": {"x": {"benchmarks": {"gsm8k": {"stats": stats_a.to_dict()}, "math500": {"stats": stats_b.to_dict()}}}},
+        "drafters": {"x": {"benchmarks": {"gsm8k": {"stats": stats_a.to_dict()},
+                                          "math500": {"stats": stats_b.to_dict()}}}},
     }
     (row,) = sweep_rows(results, 0.3, "x")
     assert row["num_steps"] == 3 and row["threshold"] == 0.3 and row["domain"] == "math"

@@ -228,3 +228,21 @@ def test_stats_track_batches(target, drafter):
     # tau = accepted + 1 per request-step, except a step ending on an accepted stop token (once per request)
     assert s.accepted_tokens + s.request_steps - 4 <= s.committed_tokens <= s.accepted_tokens + s.request_steps
     assert all(h.stats.num_steps >= 1 for h in handles)
+
+
+def test_dspark_drafter_confidence_head_through_the_engine(target):
+    """A (random) DSpark drafter: target features and confidence logits flow through continuous batching."""
+    from dspark.drafters.dspark import DSparkDrafter
+    from tests.drafters.tiny_drafters import tiny_dspark
+
+    drafter = DSparkDrafter(tiny_dspark(target))
+    sampling = [SamplingParams(0.0, max_new_tokens=m) for m in MAX_NEW]
+    expected = [_plain(target, p, s) for p, s in zip(PROMPTS, sampling)]
+    verify = {}
+    for policy in ("all", "threshold:0.5", "alg1", "async"):
+        sts = [1.0, 2.0, 0.5, 1.0] if policy == "alg1" else None
+        with Engine(target, drafter, make_policy(policy, SPS, sts), EngineConfig(max_batch=3)) as engine:
+            handles = [engine.submit(p, s) for p, s in zip(PROMPTS, sampling)]
+            assert [h.result(30)[0] for h in handles] == expected, policy
+            verify[policy] = engine.stats().avg_verify_len
+    assert verify["threshold:0.5"] < verify["all"] and verify["alg1"] < verify["all"]

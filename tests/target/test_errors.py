@@ -122,7 +122,7 @@ def test_missing_weight(folder):
     state = load_file(path)
     del state["model.layers.1.mlp.up_proj.weight"]
     save_file(state, path)
-    with pytest.raises(ModelLoadError, match=r"weights missing from the checkpoint: \['model.layers.1.mlp.up_proj.weight'\]"):
+    with pytest.raises(ModelLoadError, match=r"weights missing .*: \['model.layers.1.mlp.up_proj.weight'\]"):
         load_target(str(folder), tokenizer=False)
 
 
@@ -161,6 +161,13 @@ def test_prompt_longer_than_the_context():
     target.check_prompt([5] * 31)  # fits, with one position left to generate into
     with pytest.raises(PromptError, match="the prompt has 32 tokens but the model's context is 32; shorten it"):
         target.check_prompt([5] * 32)
+
+
+def test_prompt_and_new_tokens_longer_than_the_context():
+    target = tiny_target(max_position_embeddings=32)
+    target.check_prompt([5] * 20, max_new_tokens=12)
+    with pytest.raises(PromptError, match="20 tokens and 13 new tokens .* ask for at most 12 new tokens"):
+        target.check_prompt([5] * 20, max_new_tokens=13)
 
 
 def test_prompt_outside_the_vocabulary():

@@ -201,3 +201,24 @@ def test_wrong_model_is_detected(pair):
     ids = _ids(SEQ, seed=1)
     wrong = TargetModel(other, None, "other", None, [1], ours.max_context).forward(ids, [SEQ], None).logits
     assert _maxdiff(wrong, _hf_forward(hf, ids)[0]) > 100 * TOL
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_matches_hf_on_cuda(pair):
+    """Same comparison with everything on the GPU: positions, masks and caches follow the model's device."""
+    name, hf, ours = pair
+    hf_gpu = hf.to("cuda")
+    ours.model.to("cuda")
+    try:
+        ids = _ids(SEQ, seed=4).cuda()
+        with torch.no_grad():
+            want = hf_gpu(input_ids=ids[None], use_cache=False).logits[0]  # (T, V)
+        assert _maxdiff(ours.forward(ids, [SEQ], None).logits, want) < TOL, name
+        cache = ours.new_cache(capacity=4)
+        assert cache.keys.is_cuda
+        got = [ours.forward(ids[a:b], [b - a], [cache], logits_for="last").logits for a, b in
+               [(0, 5), (5, 9), (9, 10), (10, 11), (11, 12)]]  # (1, V) each
+        assert _maxdiff(torch.cat(got), want[[4, 8, 9, 10, 11]]) < TOL, name
+    finally:
+        hf.to("cpu")
+        ours.model.to("cpu")

@@ -137,6 +137,14 @@ def test_resume_after_kill_gives_the_same_next_step_loss(tmp_path, drafter):
     assert a[3]["loss"] != pytest.approx(a[4]["loss"], rel=1e-5)
 
 
+def test_keep_checkpoints_prunes_old_steps(tmp_path):
+    out = tmp_path / "run"
+    train(tiny_cfg(out, max_steps=3, checkpoint_every=1, keep_checkpoints=2), target=tiny_target(),
+          dataset=random_data(6))
+    assert sorted(p.name for p in out.glob("step_*")) == ["step_2", "step_3", "step_latest"]
+    assert (out / "step_latest").resolve() == (out / "step_3").resolve()
+
+
 def test_time_budget_stops_at_a_step_boundary_with_a_checkpoint(tmp_path):
     out = tmp_path / "run"
     last = train(tiny_cfg(out, time_budget_s=0.0), target=tiny_target(), dataset=random_data(6))

@@ -23,6 +23,7 @@ from dspark.modeling.weights import load_state_dict, read_config
 
 
 def check_layer_ids(layer_ids: list[int], num_target_layers: int | None = None) -> None:
+    """Target layer ids must be decoder layers (>= 0), strictly increasing, inside the target."""
     if not layer_ids:
         raise ValueError("target_layer_ids must not be empty")
     if any(b <= a for a, b in zip(layer_ids, layer_ids[1:])):
@@ -46,31 +47,32 @@ def arch_name(model_type: str, suffix: str) -> str:
 
 
 def spec_to_hf_config(spec: DecoderSpec) -> dict[str, Any]:
-    """An HF-style config dict that ``spec_from_config`` turns back into ``spec``."""
+    """An HF-style config dict that ``spec_from_config`` turns back into ``spec`` (for targets without a folder)."""
     cfg: dict[str, Any] = {
         "model_type": spec.model_type, "vocab_size": spec.vocab_size, "hidden_size": spec.hidden_size,
         "num_hidden_layers": spec.num_layers, "num_attention_heads": spec.num_heads,
         "num_key_value_heads": spec.num_kv_heads, "head_dim": spec.head_dim,
         "intermediate_size": spec.intermediate_size, "rms_norm_eps": spec.rms_norm_eps,
-        "hidden_act": spec.hidden_act, "attention_bias": spec.attention_bias,
+        "hidden_act": spec.hidden_act, "attention_bias": spec.attention_bias, "mlp_bias": spec.mlp_bias,
         "tie_word_embeddings": spec.tie_word_embeddings,
         "max_position_embeddings": spec.max_position_embeddings, "layer_types": list(spec.layer_types),
-        "sliding_window": spec.sliding_window,
+        "sliding_window": spec.sliding_window, "use_sliding_window": spec.sliding_window is not None,
     }
     if spec.model_type.startswith("gemma"):
         cfg["hidden_activation"] = spec.hidden_act
-    if spec.attn_scale is not None:
-        cfg["query_pre_attn_scalar"] = spec.attn_scale**-2
-    if spec.attn_softcap is not None:
+    if spec.model_type in ("gemma2", "gemma3_text"):
+        cfg["query_pre_attn_scalar"] = spec.scale**-2
         cfg["attn_logit_softcapping"] = spec.attn_softcap
-    if spec.final_softcap is not None:
         cfg["final_logit_softcapping"] = spec.final_softcap
     ropes = {t: dataclasses.asdict(r) for t, r in spec.rope.items()}
     for r in ropes.values():
         r["rope_theta"] = r.pop("theta")
-    full = ropes.get("full_attention")
-    if all(r == full for r in ropes.values()):
-        cfg["rope_theta"] = full["rope_theta"]
+    full = ropes["full_attention"]
+    cfg["rope_theta"] = full["rope_theta"]
+    if spec.model_type == "gemma3_text":
+        cfg["rope_local_base_freq"] = ropes["sliding_attention"]["rope_theta"]
+        cfg["rope_parameters"] = ropes
+    elif all(r == full for r in ropes.values()):
         cfg["rope_parameters"] = full
     else:
         cfg["rope_parameters"] = ropes

@@ -36,7 +36,7 @@ class DSparkDrafter:
                 f"block size {block_size} is not possible with this drafter: it was trained with block_size "
                 f"{trained}, so it can propose 1..{trained} tokens per step"
             )
-        self.model = model.eval().requires_grad_(False)
+        self.model = model  # not switched to eval/frozen: a trainer may wrap its live model (no dropout here)
         self.block_size = block_size or trained
         self.target_layer_ids = model.target_layer_ids
         self.vocab_size = model.spec.vocab_size
@@ -55,12 +55,13 @@ class DSparkDrafter:
         if not isinstance(cache, KVCache) or cache.length > n:  # first use (or a state that is not ours)
             s = m.spec
             cap = n + req.sampling.max_new_tokens + self.block_size + 2
-            cache = KVCache(s.num_layers, s.num_kv_heads, s.head_dim, cap, m.fc.weight.dtype)
+            cache = KVCache(s.num_layers, s.num_kv_heads, s.head_dim, cap, m.fc.weight.dtype,
+                            device=m.fc.weight.device)
             req.draft_state = cache
         start = cache.length
         if n > start:
             context = m.project_context(feats[start:n])  # (n_new, H)
-            positions = torch.arange(start, n)
+            positions = torch.arange(start, n, device=feats.device)
             cache.reserve(n - start)
             for layer_idx in range(m.spec.num_layers):
                 k, v = m.context_kv(layer_idx, context, positions)  # (Hkv, n_new, D)
@@ -72,14 +73,15 @@ class DSparkDrafter:
     @torch.inference_mode()
     def propose(self, requests: list[RequestState], max_tokens: list[int]) -> DraftBlock:
         m, G = self.model, self.model.config.block_size
-        R = len(requests)
+        R, dev = len(requests), self.model.fc.weight.device
         want = [max(0, min(int(t), self.block_size)) for t in max_tokens]
         K = max(want, default=0)
-        tokens = torch.zeros(R, K, dtype=torch.long)
-        draft_probs = torch.zeros(R, K, self.vocab_size)
-        conf_logits = torch.zeros(R, K) if self.has_confidence else None
+        tokens = torch.zeros(R, K, dtype=torch.long, device=dev)
+        draft_probs = torch.zeros(R, K, self.vocab_size, device=dev)
+        conf_logits = torch.zeros(R, K, device=dev) if self.has_confidence else None
+        num_tokens = torch.tensor(want, dtype=torch.long, device=dev)
         if K == 0:
-            return DraftBlock(tokens, torch.tensor(want, dtype=torch.long), draft_probs, conf_logits)
+            return DraftBlock(tokens, num_tokens, draft_probs, conf_logits)
 
         groups, ids, positions = [], [], []
         for req in requests:
@@ -93,12 +95,12 @@ class DSparkDrafter:
                 G, lambda layer_idx, c=cache: (c.keys[layer_idx, :, : c.length], c.values[layer_idx, :, : c.length]),
                 None,
             ))
-            ids.append(torch.tensor([req.anchor] + [m.config.mask_token_id] * (G - 1), dtype=torch.long))
-            positions.append(torch.arange(start, start + G))
+            ids.append(torch.tensor([req.anchor] + [m.config.mask_token_id] * (G - 1), dtype=torch.long, device=dev))
+            positions.append(torch.arange(start, start + G, device=dev))
         x = m.embed(torch.cat(ids))  # (R*G, H)
         hidden = m.backbone(x, torch.cat(positions), groups).view(R, G, -1)  # (R, G, H)
 
-        prev = torch.tensor([req.anchor for req in requests], dtype=torch.long)  # x_{-1} = anchor
+        prev = torch.tensor([req.anchor for req in requests], dtype=torch.long, device=dev)  # x_{-1} = anchor
         state = None
         for k in range(K):
             state, logits, conf = m.head_step(state, hidden[:, k], prev)  # (R, V), (R,)
@@ -114,8 +116,8 @@ class DSparkDrafter:
                 tokens[r, k], draft_probs[r, k], nxt[r] = tok, probs, tok
             prev = nxt
         if conf_logits is not None:
-            conf_logits *= (torch.arange(K)[None, :] < torch.tensor(want)[:, None])
-        return DraftBlock(tokens, torch.tensor(want, dtype=torch.long), draft_probs, conf_logits)
+            conf_logits *= torch.arange(K, device=dev)[None, :] < num_tokens[:, None]
+        return DraftBlock(tokens, num_tokens, draft_probs, conf_logits)
 
 
 def load_dspark_drafter(path: str | Path, target, block_size: int | None = None) -> DSparkDrafter:

@@ -285,9 +285,7 @@ class DSparkModel(nn.Module):
         folder = Path(folder)
         cfg_dict = read_config(folder)
         config = config_from_checkpoint(cfg_dict, folder)
-        spec = spec_from_config(cfg_dict)
-        if spec.num_layers != config.num_draft_layers:
-            raise ModelLoadError(f"{folder}: num_hidden_layers disagrees with the draft layers")
+        spec = spec_from_config(cfg_dict)  # the copied target config with the draft's num_hidden_layers
         num_target_layers = cfg_dict.get("num_target_layers")
         if target is not None:
             check_target_fit(f"DSpark drafter {folder}", hidden_size=spec.hidden_size, vocab_size=spec.vocab_size,
@@ -401,7 +399,7 @@ class DSparkModel(nn.Module):
         A = blocks.num_blocks
         ctx_len = int(anchors.max()) if A else 0  # no block sees context at or after its anchor
         context = self.project_context(sample.target_features[:ctx_len])  # (ctx_len, H)
-        ctx_pos = torch.arange(ctx_len)
+        ctx_pos = torch.arange(ctx_len, device=anchors.device)
         group = AttentionGroup(
             A * G, lambda layer_idx: self.context_kv(layer_idx, context, ctx_pos),
             block_attention_mask(anchors, ctx_len, G),
@@ -422,14 +420,15 @@ class DSparkModel(nn.Module):
 
     def _zero_loss(self) -> torch.Tensor:
         """A zero that touches every trainable parameter (keeps DDP's gradient buckets complete)."""
-        return sum((p.sum() * 0.0 for p in self.trainable_parameters()), torch.zeros(()))
+        return sum((p.sum() * 0.0 for p in self.trainable_parameters()), torch.zeros((), device=self.fc.weight.device))
 
     def training_loss(self, sample: TrainSample, generator: torch.Generator | None
                       ) -> tuple[torch.Tensor, dict[str, float]]:
         """Loss of eq. (12) on one sequence, and metrics (ce, l1, bce, acc@k, tau, ...)."""
-        cfg, G = self.config, self.config.block_size
+        cfg = self.config
         anchors = sample_anchors(sample.loss_mask, cfg.num_anchors, generator)
-        metrics: dict[str, float] = {"num_blocks": float(anchors.numel()), "supervised_tokens": 0.0}
+        metrics: dict[str, float] = {"num_blocks": float(anchors.numel()), "supervised_tokens": 0.0,
+                                     "weight_sum": 0.0}
         if anchors.numel() == 0:
             return self._zero_loss(), {**metrics, "loss": 0.0}
         out = self.block_outputs(sample, anchors)
@@ -460,13 +459,14 @@ class DSparkModel(nn.Module):
             metrics["confidence_abs_error"] = float(weighted_mean((torch.sigmoid(conf.detach()) - soft).abs(), w))
         metrics.update(self._acceptance_metrics(soft, rows, blocks.eval_mask))
         metrics["supervised_tokens"] = float(rows.numel())
+        metrics["weight_sum"] = float(w.sum())  # the denominator of every term (for global re-weighting)
         metrics["loss"] = float(total.detach())
         return total, metrics  # eq. (12)
 
     @staticmethod
     def _acceptance_metrics(soft: torch.Tensor, rows: torch.Tensor, eval_mask: torch.Tensor) -> dict[str, float]:
         """acc@k = mean soft acceptance sum_v min(p_d, p_t) over supervised slots k; tau = 1 + sum prod acc."""
-        grid = torch.zeros(eval_mask.numel())
+        grid = torch.zeros(eval_mask.numel(), device=soft.device)
         grid[rows] = soft.float()
         grid = grid.view(eval_mask.shape)
         out: dict[str, float] = {}

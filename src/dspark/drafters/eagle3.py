@@ -32,7 +32,7 @@ class Eagle3Drafter:
     def __init__(self, model: Eagle3Model, block_size: int | None = None) -> None:
         if block_size is not None and block_size < 1:
             raise ValueError(f"block size must be >= 1, got {block_size}")
-        self.model = model.eval().requires_grad_(False)
+        self.model = model  # not switched to eval/frozen: a trainer may wrap its live model (no dropout here)
         self.block_size = block_size or model.config.block_size
         self.target_layer_ids = model.target_layer_ids
         self.vocab_size = model.spec.vocab_size
@@ -59,13 +59,14 @@ class Eagle3Drafter:
     @torch.inference_mode()
     def propose(self, requests: list[RequestState], max_tokens: list[int]) -> DraftBlock:
         m = self.model
-        R = len(requests)
+        R, dev = len(requests), self.model.fc.weight.device
         want = [max(0, min(int(t), self.block_size)) for t in max_tokens]
         K = max(want, default=0)
-        tokens = torch.zeros(R, K, dtype=torch.long)
-        draft_probs = torch.zeros(R, K, self.vocab_size)
+        tokens = torch.zeros(R, K, dtype=torch.long, device=dev)
+        draft_probs = torch.zeros(R, K, self.vocab_size, device=dev)
+        num_tokens = torch.tensor(want, dtype=torch.long, device=dev)
         if K == 0:
-            return DraftBlock(tokens, torch.tensor(want, dtype=torch.long), draft_probs)
+            return DraftBlock(tokens, num_tokens, draft_probs)
         active = [r for r in range(R) if want[r] > 0]
         caches, lens, ids, feats = [], [], [], []
         for r in active:
@@ -74,10 +75,10 @@ class Eagle3Drafter:
             start = cache.length
             caches.append(cache)
             lens.append(n - start)
-            ids.append(torch.tensor(req.tokens[start + 1 : n + 1], dtype=torch.long))  # x_{j+1}
+            ids.append(torch.tensor(req.tokens[start + 1 : n + 1], dtype=torch.long, device=dev))  # x_{j+1}
             feats.append(req.context_features[start:n])  # f_j
         out = m.cached_forward(torch.cat(ids), m.fuse(torch.cat(feats)), lens, caches)  # (N, H)
-        hidden = out[torch.tensor(lens).cumsum(0) - 1]  # (A, H) output at entry n-1 of each request
+        hidden = out[torch.tensor(lens, device=dev).cumsum(0) - 1]  # (A, H) output at entry n-1 of each request
 
         for k in range(K):
             if k > 0:
@@ -96,7 +97,7 @@ class Eagle3Drafter:
         for r in range(R):  # drop the chain's entries: keep the committed context only
             if want[r] > 0:
                 requests[r].draft_state.truncate(len(requests[r].tokens) - 1)
-        return DraftBlock(tokens, torch.tensor(want, dtype=torch.long), draft_probs)
+        return DraftBlock(tokens, num_tokens, draft_probs)
 
 
 def load_eagle3_drafter(path: str | Path, target, block_size: int | None = None) -> Eagle3Drafter:

@@ -128,7 +128,7 @@ def ttt_attention(
         scores = torch.cat([scores, torch.stack(diag, dim=-1)], dim=-1)  # (Hkv, g, L, L + s)
     if attn.softcap is not None:
         scores = torch.tanh(scores / attn.softcap) * attn.softcap
-    future = torch.ones(L, L, dtype=torch.bool).triu(1)  # (L, L) j > i
+    future = torch.ones(L, L, dtype=torch.bool, device=q.device).triu(1)  # (L, L) j > i
     scores[..., :L] = scores[..., :L].masked_fill(future, float("-inf"))
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
     out = probs[..., :L] @ v0[:, None]  # (Hkv, g, L, D)
@@ -268,7 +268,7 @@ class Eagle3Model(nn.Module):
         ids = sample.input_ids
         step_ids = torch.cat([ids[1:], ids.new_zeros(1)])  # (L,) position i holds x_{i+1}
         hidden = self.fuse(sample.target_features)  # (L, H)
-        base_pos = torch.arange(L)
+        base_pos = torch.arange(L, device=ids.device)
         keys: list[list[torch.Tensor]] = [[] for _ in self.layers]
         values: list[list[torch.Tensor]] = [[] for _ in self.layers]
 
@@ -292,7 +292,8 @@ class Eagle3Model(nn.Module):
         mask0[-1] = False
         total = self._zero_loss()
         metrics: dict[str, float] = {}
-        expected, alive = torch.zeros(()), None
+        dev = sample.input_ids.device
+        expected, alive = torch.zeros((), device=dev), None
         for s, (hidden, _) in enumerate(self._ttt_steps(sample)):
             mask = torch.cat([mask0[s:], mask0.new_zeros(min(s, L))])[:L]  # (L,) = mask0[i + s]
             rows = mask.nonzero().squeeze(-1)  # (M,)
@@ -306,10 +307,10 @@ class Eagle3Model(nn.Module):
             metrics[f"ploss_{s}"] = float(step_loss.detach())
             metrics[f"acc@{s}"] = float(acc.mean())
             if s == 0:
-                alive = torch.zeros(L)
+                alive = torch.zeros(L, device=dev)
                 alive[rows] = 1.0
                 starts = alive.sum()
-            step_acc = torch.zeros(L)
+            step_acc = torch.zeros(L, device=dev)
             step_acc[rows] = acc.float()
             alive = alive * step_acc  # chains that start at i: prod of acceptances up to step s
             expected = expected + alive.sum()
@@ -319,7 +320,7 @@ class Eagle3Model(nn.Module):
         return total, metrics
 
     def _zero_loss(self) -> torch.Tensor:
-        return sum((p.sum() * 0.0 for p in self.trainable_parameters()), torch.zeros(()))
+        return sum((p.sum() * 0.0 for p in self.trainable_parameters()), torch.zeros((), device=self.fc.weight.device))
 
     def forward(self, sample: TrainSample, generator: torch.Generator | None = None
                 ) -> tuple[torch.Tensor, dict[str, float]]:
@@ -334,7 +335,8 @@ class Eagle3Model(nn.Module):
 
     def new_cache(self, capacity: int) -> KVCache:
         s = self.spec
-        return KVCache(s.num_layers, s.num_kv_heads, s.head_dim, capacity, self.fc.weight.dtype)
+        return KVCache(s.num_layers, s.num_kv_heads, s.head_dim, capacity, self.fc.weight.dtype,
+                       device=self.fc.weight.device)
 
     def cached_forward(
         self,
@@ -347,7 +349,7 @@ class Eagle3Model(nn.Module):
         starts = [c.length for c in caches]
         for c, n in zip(caches, seq_lens):
             c.reserve(n)
-        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, seq_lens)])
+        positions = torch.cat([torch.arange(s, s + n, device=ids.device) for s, n in zip(starts, seq_lens)])
 
         def attend(layer_idx, q, k, v):
             attn = self.layers[layer_idx].self_attn

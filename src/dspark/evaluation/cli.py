@@ -90,9 +90,11 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         "--jsonl uses your own prompt files instead.",
     )
     _add_common(c)
-    c.add_argument("--drafter", required=True, metavar="SPEC", help="a DSpark checkpoint folder (with a confidence head)")
+    c.add_argument("--drafter", required=True, metavar="SPEC",
+                   help="a DSpark checkpoint folder (with a confidence head)")
     c.add_argument("--name", default=None, help="drafter name for the report (default: the folder name)")
-    c.add_argument("--ece-bins", type=int, default=20, help="equal-width ECE bins for fit and report (default: %(default)s)")
+    c.add_argument("--ece-bins", type=int, default=20,
+                   help="equal-width ECE bins for fit and report (default: %(default)s)")
     c.add_argument("--out", default="runs/calibrate", help="output folder (default: %(default)s)")
     c.set_defaults(func=_calibrate)
 

@@ -140,7 +140,9 @@ def calibration_markdown(report: Mapping[str, Any], figure: str | Path | None = 
         f"Drafter `{report.get('drafter')}`, target `{report.get('target')}`; {report['num_prompts']} held-out "
         f"prompts ({', '.join(report['datasets'])}), {report['num_steps']} speculative steps. "
         f"ECE over {report['n_bins']} equal-width bins of the cumulative survival prod_(j<=k) sigmoid(logit_j / T_j) "
-        "against the label 'drafts 1..k all accepted'; AUROC is unchanged by STS (order-preserving).",
+        "against the label 'drafts 1..k all accepted'. STS keeps the order of confidences at each position, so "
+        "position 1's AUROC is unchanged; later survivals multiply positions with different temperatures and "
+        "may reorder slightly.",
         f"Held-out data: {report['heldout']}. 'after' is measured on the same data the temperatures were fitted on.",
         "",
         *markdown_table(["Position", "count", "T_k", "ECE before", "ECE after", "AUROC before", "AUROC after",
@@ -228,6 +230,14 @@ def plot_ablation(rows: Sequence[Mapping[str, Any]], path: str | Path, x_label: 
 # --------------------------------------------------------------------------- docs/results.md
 
 
+def _budget_value(v: Any) -> str:
+    if v is None:
+        return "all (DeepSpec caps)"
+    if isinstance(v, (list, tuple)):
+        return ", ".join(f"{x:g}" if isinstance(x, float) else str(x) for x in v) or "none"
+    return f"{v:g}" if isinstance(v, float) else str(v)
+
+
 def docs_results_markdown(
     command: str,
     budget: Mapping[str, Any],
@@ -248,7 +258,9 @@ def docs_results_markdown(
         command,
         "```",
         "",
-        "Budget: " + ", ".join(f"{k} = {v}" for k, v in budget.items()) + ".",
+        "Budget:",
+        "",
+        *markdown_table(["setting", "value"], [[k, _budget_value(v)] for k, v in budget.items()]),
         *([""] + [f"- {n}" for n in notes] if notes else []),
         "",
     ]

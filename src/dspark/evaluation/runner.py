@@ -39,7 +39,7 @@ import torch
 
 from dspark.drafters.base import DraftBlock, Drafter, RequestState
 from dspark.errors import DSparkError
-from dspark.evaluation.datasets import DEFAULT_SEED, DISPLAY_NAMES, DOMAINS, EvalDataset, EvalSample
+from dspark.evaluation.datasets import DEFAULT_SEED, DOMAINS, EvalDataset, EvalSample
 from dspark.evaluation.metrics import AcceptanceStats, confidence_report
 from dspark.evaluation.report import clean_json, results_markdown
 
@@ -430,7 +430,7 @@ def write_results(results: Mapping[str, Any], out_dir: str | Path) -> list[Path]
     figures = []
     for dom in results["domains"]:
         curves = {name: res["domains"][dom]["per_position_acceptance"] for name, res in results["drafters"].items()}
-        curves = {n: c for n, c in curves.items() if c and any(v is not None for v in c)}
+        curves = {n: c for n, c in curves.items() if c}  # a drafter that never proposed plots no points
         if curves:
             figures.append(plot_acceptance_curves(curves, out / f"acceptance_{dom}.png",
                                                   title=f"Per-position conditional acceptance: {dom}"))
@@ -523,7 +523,10 @@ def calibrate(
     if data.logits.shape[0] == 0:
         raise DSparkError("no speculative steps were recorded; use more prompts or more --max-new-tokens")
     names = [d.name for d in datasets]
-    sts = fit_sts(data.logits, data.proposed_mask, data.num_accepted, grid=grid, n_bins=n_bins)
+    try:
+        sts = fit_sts(data.logits, data.proposed_mask, data.num_accepted, grid=grid, n_bins=n_bins)
+    except ValueError as err:  # e.g. a draft position never verified: too few prompts or new tokens
+        raise DSparkError(f"STS fit failed: {err}") from None
     sts_path = out / "sts.json"
     save_sts_json(sts_path, sts, dataset=",".join(names))
     before = confidence_report(data.logits, data.proposed_mask, data.num_accepted, n_bins=n_bins)

@@ -104,7 +104,9 @@ def speculative_step(
     R = len(requests)
     budget = [r.sampling.max_new_tokens - r.num_generated for r in requests]  # tokens still allowed
     cap = drafter.block_size if draft_cap is None else min(draft_cap, drafter.block_size)
-    max_tokens = [max(0, min(cap, b - 1)) for b in budget]
+    # drafts never run past max_new_tokens nor past the context: verify writes 1 + drafts positions
+    room = [c.max_length - c.length - 1 if c.max_length is not None else cap for c in caches]
+    max_tokens = [max(0, min(cap, b - 1, m)) for b, m in zip(budget, room)]
 
     t0 = time.perf_counter()
     block = drafter.propose(requests, max_tokens) if max(max_tokens, default=0) > 0 else None
@@ -157,7 +159,10 @@ def speculative_step(
         for i, tok in enumerate(emitted[:acc]):  # a stop token inside the accepted drafts ends the request, no bonus
             if tok in stop_ids:
                 emitted, tau = emitted[: i + 1], i + 1
+                acc_counted = i + 1  # drafts after the stop token do not count as accepted
                 break
+        else:
+            acc_counted = acc
         emitted = emitted[: budget[r]]
         # the cache keeps the anchor and the accepted drafts; the new anchor is emitted[-1]
         caches[r].truncate(caches[r].length - seq_lens[r] + 1 + acc)
@@ -173,6 +178,6 @@ def speculative_step(
         n_prop = int(block.num_tokens[r]) if block is not None else 0
         if block is not None and block.confidence_logits is not None:
             conf = block.confidence_logits[r, :n_prop]
-        outcomes.append(StepOutcome(vl[r], acc, emitted, tau, conf, n_prop))
+        outcomes.append(StepOutcome(vl[r], acc_counted, emitted, tau, conf, n_prop))
     timings = StepTimings(draft_s=t1 - t0, verify_s=t2 - t1, steps=1, verified_tokens=sum(seq_lens))
     return outcomes, timings

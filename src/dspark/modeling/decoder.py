@@ -26,7 +26,7 @@ def causal_mask(
 ) -> torch.Tensor | None:  # (T, S) bool or None when every query may see every key
     if q_positions.numel() == 1 and window is None:
         return None
-    k_pos = torch.arange(kv_len)
+    k_pos = torch.arange(kv_len, device=q_positions.device)
     mask = k_pos[None, :] <= q_positions[:, None]
     if window is not None:
         mask &= k_pos[None, :] > q_positions[:, None] - window
@@ -58,7 +58,8 @@ class Decoder(nn.Module):
         if caches is not None:
             for cache, n in zip(caches, seq_lens):
                 cache.reserve(n)
-        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, seq_lens)])  # (N,)
+        device = input_ids.device
+        positions = torch.cat([torch.arange(s, s + n, device=device) for s, n in zip(starts, seq_lens)])  # (N,)
         x = self.embed(input_ids)  # (N, H)
         captured: dict[int, torch.Tensor] = {}
         want = set(capture_layers or ())
@@ -111,6 +112,6 @@ class CausalLM(nn.Module):
         return out
 
     def new_cache(self, capacity: int = 256, max_length: int | None = None) -> KVCache:
-        s = self.spec
-        dtype = self.lm_head.weight.dtype
-        return KVCache(s.num_layers, s.num_kv_heads, s.head_dim, capacity, dtype, max_length)
+        """An empty cache with the model's dtype, on the model's device."""
+        s, weight = self.spec, self.lm_head.weight
+        return KVCache(s.num_layers, s.num_kv_heads, s.head_dim, capacity, weight.dtype, max_length, weight.device)

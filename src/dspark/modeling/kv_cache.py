@@ -15,8 +15,12 @@ class KVCache:
     def __init__(
         self, num_layers: int, num_kv_heads: int, head_dim: int,
         capacity: int = 256, dtype: torch.dtype = torch.float32, max_length: int | None = None,
+        device: torch.device | str | None = None,
     ) -> None:
-        self.keys = torch.zeros(num_layers, num_kv_heads, capacity, head_dim, dtype=dtype)  # (Ly, Hkv, C, D)
+        if max_length is not None:
+            capacity = min(capacity, max_length)
+        shape = (num_layers, num_kv_heads, capacity, head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)  # (Ly, Hkv, C, D)
         self.values = torch.zeros_like(self.keys)  # (Ly, Hkv, C, D)
         self.length = 0
         self.max_length = max_length

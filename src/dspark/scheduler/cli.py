@@ -28,6 +28,8 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
                    help="time every batch-token count, not only multiples of block size + 1")
     p.add_argument("--drafter", default=None,
                    help="optional drafter whose target_layer_ids the verify pass captures (costs a little)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's choice); profile with the setting you will serve with")
     p.add_argument("--out", default="sps.json", help="output JSON (default: %(default)s)")
     p.set_defaults(func=_profile)
 
@@ -36,6 +38,10 @@ def _profile(args: argparse.Namespace) -> int:
     from dspark.scheduler.profile import profile_target
     from dspark.target.model import load_target
 
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(max(1, args.threads))
     target = load_target(args.target, tokenizer=False)
     capture = None
     if args.drafter:

@@ -57,6 +57,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sps-table", default=None,
                    help="SGLang-format SPS JSON from `dspark profile`; without it alg1/async profile quickly at start")
     p.add_argument("--sts", default=None, help="STS JSON (per-position confidence temperatures)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's choice; 1 is often fastest on a busy shared CPU)")
     p.add_argument("--fallback-confidence", type=float, default=1.0,
                    help="confidence given to drafters without a confidence head (default: %(default)s; "
                    f"policies: {POLICY_HELP})")
@@ -112,6 +114,17 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     b.set_defaults(func=_bench_serve)
 
 
+def _set_threads(threads: int | None) -> None:
+    if threads is not None:
+        import torch
+
+        if threads < 1:
+            from dspark.errors import DSparkError
+
+            raise DSparkError(f"--threads must be >= 1, got {threads}")
+        torch.set_num_threads(threads)
+
+
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -125,6 +138,7 @@ def _serve(args: argparse.Namespace) -> int:
     from dspark.target.model import load_target
 
     spec = parse_policy(args.policy)
+    _set_threads(args.threads)
     target = load_target(args.target)
     if target.tokenizer is None:
         raise ModelLoadError(f"{args.target} has no tokenizer; the server needs one to read prompts")
@@ -149,6 +163,7 @@ def _serve(args: argparse.Namespace) -> int:
 def _bench_serve(args: argparse.Namespace) -> int:
     from dspark.serving.loadgen import SweepConfig, run_sweep, write_report
 
+    _set_threads(args.threads)
     cfg = SweepConfig(
         target=args.target, drafter=args.drafter, policies=args.policies, concurrency=args.concurrency,
         num_requests=args.num_requests, max_tokens=args.max_tokens, temperature=args.temperature,
@@ -157,7 +172,10 @@ def _bench_serve(args: argparse.Namespace) -> int:
         url=args.url, api_key=args.api_key or os.environ.get("DSPARK_API_KEY") or None,
     )
     rows, meta = run_sweep(cfg)
-    command = "dspark " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:] else ""
+    flags = sys.argv[1:]
+    if flags[:2] == ["bench", "serve"]:  # `dspark bench serve ...`; bench/serve_load.py passes the flags only
+        flags = flags[2:]
+    command = " ".join(["dspark", "bench", "serve", *(shlex.quote(a) for a in flags)])
     for path in write_report(rows, meta, args.out_dir, command):
         print(f"wrote {path}")
     return 0

@@ -223,7 +223,7 @@ class Engine:
         self._cv = threading.Condition()
         self._waiting: deque[RequestHandle] = deque()
         self._active: list[_Active] = []
-        self._num_active = 0  # len(_active), readable under the lock
+        self._num_active = 0  # slots held: active + admitted-but-not-yet-prefilled (read under the lock)
         self._cancel_pending = False
         self._paused = False
         self._closing = False
@@ -315,9 +315,7 @@ class Engine:
 
     def stats(self) -> EngineStats:
         with self._cv:
-            snap = EngineStats(**{k: v for k, v in asdict(self._stats).items()})
-            snap.requests = dict(self._stats.requests)
-            return snap
+            return EngineStats(**asdict(self._stats))  # asdict copies the requests dict too
 
     # ================================================================ engine thread
     def _on_cancel(self, handle: RequestHandle) -> None:

@@ -101,7 +101,11 @@ def parse_policy(name: str) -> PolicySpec:
 
 
 def build_scheduler(spec: PolicySpec, sps_table: SPSTable | None = None) -> VerifyPolicy | None:
-    """The scheduler policy for ``spec``; None for ``all`` (speculative_step verifies everything)."""
+    """The scheduler policy for ``spec``; None for ``all`` (speculative_step verifies everything).
+
+    ``alg1`` / ``async`` without a table get ``SPSTable.flat()``, which admits every
+    draft with positive survival (verify-all); the CLI profiles a table instead.
+    """
     if spec.kind == "all":
         return None
     if spec.kind == "fixed":
@@ -141,7 +145,7 @@ class SchedulerAdapter:
         """c_{r,k} = sigmoid(logit_{r,k} / T_k) (eq. 7 + STS), or the constant fallback."""
         R, K = block.tokens.shape
         if block.confidence_logits is None:
-            return torch.full((R, K), self.fallback_confidence, dtype=torch.float64)
+            return torch.full((R, K), self.fallback_confidence, dtype=torch.float64, device=block.tokens.device)
         logits = block.confidence_logits[:, :K].double()  # (R, K)
         if self.sts_temperatures is None:
             return torch.sigmoid(logits)

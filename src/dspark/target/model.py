@@ -84,7 +84,7 @@ class TargetModel:
         if logits_for == "all":
             logits = self.model.logits(last_hidden)
         elif logits_for == "last":
-            ends = torch.tensor(seq_lens).cumsum(0) - 1
+            ends = torch.tensor(seq_lens, device=last_hidden.device).cumsum(0) - 1  # (R,)
             logits = self.model.logits(last_hidden[ends])
         else:
             logits = None
@@ -110,11 +110,18 @@ class TargetModel:
         return self.tokenizer.encode(text, add_special_tokens=True)
 
     def check_prompt(self, prompt_ids: list[int], max_new_tokens: int = 0) -> None:
+        """Raise PromptError unless the prompt and ``max_new_tokens`` new tokens fit into the context."""
         if not prompt_ids:
             raise PromptError("the prompt is empty")
         if len(prompt_ids) >= self.max_context:
             raise PromptError(
                 f"the prompt has {len(prompt_ids)} tokens but the model's context is {self.max_context}; shorten it"
+            )
+        if len(prompt_ids) + max_new_tokens > self.max_context:
+            raise PromptError(
+                f"the prompt has {len(prompt_ids)} tokens and {max_new_tokens} new tokens were asked for, "
+                f"but the model's context is {self.max_context}; ask for at most "
+                f"{self.max_context - len(prompt_ids)} new tokens or shorten the prompt"
             )
         bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
         if bad:

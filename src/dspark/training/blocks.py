@@ -43,7 +43,7 @@ def sample_anchors(
     """Up to ``num_anchors`` anchor positions, uniformly without replacement."""
     candidates = anchor_candidates(loss_mask).nonzero().squeeze(-1)  # (C,)
     if candidates.numel() > num_anchors:
-        pick = torch.randperm(candidates.numel(), generator=generator)[:num_anchors]
+        pick = torch.randperm(candidates.numel(), generator=generator)[:num_anchors].to(candidates.device)
         candidates = candidates[pick]
     return candidates.sort().values
 
@@ -77,14 +77,14 @@ def build_blocks(
     mask_token_id: int,
 ) -> Blocks:
     L, G = input_ids.shape[0], block_size
-    offsets = torch.arange(G)  # (G,)
+    offsets = torch.arange(G, device=input_ids.device)  # (G,)
     positions = anchors[:, None] + offsets[None, :]  # (A, G)
     label_pos = positions + 1  # (A, G) slot k predicts anchor + k + 1
     safe = label_pos.clamp(max=L - 1)
     labels = input_ids[safe]  # (A, G)
     eval_mask = (label_pos < L) & loss_mask.bool()[safe]
     eval_mask = eval_mask.long().cumprod(dim=1).bool()
-    block_ids = torch.full((anchors.shape[0], G), mask_token_id, dtype=torch.long)
+    block_ids = torch.full((anchors.shape[0], G), mask_token_id, dtype=torch.long, device=input_ids.device)
     block_ids[:, 0] = input_ids[anchors]
     prev = torch.cat([input_ids[anchors][:, None], labels[:, :-1]], dim=1)  # (A, G)
     # The target's distribution of the token at t+1 comes from its hidden state at t, so the
@@ -100,7 +100,7 @@ def block_attention_mask(
 ) -> torch.Tensor:  # (Q, L + Q) bool, True = may attend; keys are [context (L); blocks (Q)]
     """Block b: context j < anchor_b, plus its own G slots (bidirectional)."""
     A, G = anchors.shape[0], block_size
-    q_block = torch.arange(A * G) // G  # (Q,)
-    ctx = torch.arange(seq_len)[None, :] < anchors[q_block][:, None]  # (Q, L)
+    q_block = torch.arange(A * G, device=anchors.device) // G  # (Q,)
+    ctx = torch.arange(seq_len, device=anchors.device)[None, :] < anchors[q_block][:, None]  # (Q, L)
     own = q_block[:, None] == q_block[None, :]  # (Q, Q)
     return torch.cat([ctx, own], dim=1)

@@ -55,6 +55,7 @@ class TrainConfig:
     max_samples: int | None = None  # use only the first N samples of the data (quick runs)
     seed: int = 42
     checkpoint_every: int = 1000  # optimizer steps; a checkpoint is always written at the end
+    keep_checkpoints: int = 0  # keep only the newest N step_* folders (0 = keep all)
     log_every: int = 10
     feature_source: str = "online"  # online: run the target per sample | cache: read a feature cache
     cache_dir: str | None = None  # the feature cache (``dspark data features``) for feature_source "cache"
@@ -91,6 +92,12 @@ class TrainConfig:
                 raise bad(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0.0 <= self.warmup_ratio < 1.0:
             raise bad(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        if self.keep_checkpoints < 0:
+            raise bad(f"keep_checkpoints must be >= 0 (0 = keep all), got {self.keep_checkpoints}")
+        if self.device not in ("cpu", "cuda", "auto"):
+            raise bad(f"device must be cpu, cuda or auto, got {self.device!r}")
+        if self.time_budget_s is not None and self.time_budget_s < 0:
+            raise bad(f"time_budget_s must be >= 0, got {self.time_budget_s}")
         if self.lr <= 0:
             raise bad(f"lr must be > 0, got {self.lr}")
         if not isinstance(self.model, dict):

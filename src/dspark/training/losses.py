@@ -40,7 +40,7 @@ def position_weights(
     """w_k = exp(-k / decay_gamma) on supervised slots, 0 elsewhere; no decay if gamma is None or <= 0."""
     w = eval_mask.float()
     if decay_gamma is not None and decay_gamma > 0:
-        k = torch.arange(eval_mask.shape[-1], dtype=torch.float32)
+        k = torch.arange(eval_mask.shape[-1], dtype=torch.float32, device=eval_mask.device)
         w = w * torch.exp(-k / float(decay_gamma))
     return w
 

@@ -358,8 +358,18 @@ def _write_checkpoint(out: Path, step: int, model: nn.Module, cfg: TrainConfig, 
             link_tmp.unlink()
         os.symlink(final.name, link_tmp)
         os.replace(link_tmp, out / LATEST)
+        if cfg.keep_checkpoints:
+            _prune_checkpoints(out, cfg.keep_checkpoints)
     _barrier(d)
     return final
+
+
+def _prune_checkpoints(out: Path, keep: int) -> None:
+    """Delete all but the newest ``keep`` step_N folders (step_latest always points to a kept one)."""
+    steps = sorted((int(p.name.removeprefix("step_")), p) for p in out.glob("step_*")
+                   if p.is_dir() and not p.is_symlink() and p.name.removeprefix("step_").isdigit())
+    for _, folder in steps[:-keep]:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _load_training_state(folder: Path, rank: int) -> dict:
