@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from dspark.errors import DSparkError
@@ -28,6 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Lossless speculative decoding: prepare a target, build data, train DSpark/DFlash/Eagle3 "
         "drafters, calibrate, evaluate, generate, profile, serve and load-test.",
     )
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads (default: $DSPARK_THREADS or torch's default); 1 is fastest "
+                        "when other jobs share the CPU")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in _COMMAND_MODULES:
         try:
@@ -46,6 +50,11 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 0 if args.command is None else 2
+    threads = args.threads or int(os.environ.get("DSPARK_THREADS", "0") or 0)
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
     try:
         return int(args.func(args) or 0)
     except DSparkError as err:

@@ -425,6 +425,7 @@ class Engine:
         verified = accepted = committed = emitted = 0
         for a, o in zip(batch, outcomes):
             # a stop token inside the accepted drafts cuts the step short: count only the drafts kept
+            # (speculative_step reports it so already; the clamp keeps the stats valid regardless)
             num_accepted = min(o.num_accepted, o.acceptance_length)
             a.handle.stats.add_step(o.proposal_len, num_accepted, o.acceptance_length)
             verified += o.proposal_len

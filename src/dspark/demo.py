@@ -1,0 +1,127 @@
+"""`dspark demo`: the README's main command.
+
+Prepares the default target, obtains a DSpark drafter (reuses one trained
+earlier on this machine, else trains a small one in a few minutes), decodes a
+few evaluation prompts with plain decoding, prompt lookup and DSpark, and
+prints acceptance length and speedup. Greedy, so every row must produce the
+target's own text: the table says whether it did.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from dspark.target.presets import DEFAULT_TARGET, dspark_home
+
+DEMO_SETS = ("gsm8k", "humaneval", "mt-bench")
+
+
+def add_cli(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "demo", help="end-to-end demo: prepare SmolLM2, get a DSpark drafter, compare decoding speed",
+        description="Reuses a drafter from --drafter, runs/smollm2-dspark-markov (make results) or "
+        "$DSPARK_HOME/demo; otherwise builds a small training set with the target and trains one for "
+        "--train-minutes. Then decodes a few evaluation prompts (greedy) and prints a table.",
+    )
+    p.add_argument("--target", default=DEFAULT_TARGET, help="preset or HF folder (default: %(default)s)")
+    p.add_argument("--drafter", default=None, help="a DSpark checkpoint folder to use instead of finding/training one")
+    p.add_argument("--work-dir", default=None, help="where demo data and the demo drafter go (default: $DSPARK_HOME/demo)")
+    p.add_argument("--train-minutes", type=float, default=5.0, help="training time for a new demo drafter (default: %(default)s)")
+    p.add_argument("--num-train-prompts", type=int, default=128, help="prompts regenerated for training (default: %(default)s)")
+    p.add_argument("--prompts-per-set", type=int, default=2, help="evaluation prompts per benchmark (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="per prompt (default: %(default)s)")
+    p.set_defaults(func=run_demo)
+
+
+def _find_drafter(args: argparse.Namespace, work: Path) -> Path | None:
+    from dspark.training.trainer import latest_checkpoint
+
+    if args.drafter:
+        return Path(args.drafter)
+    for out in (Path("runs/smollm2-dspark-markov"), work / "drafter"):
+        ckpt = latest_checkpoint(out) if out.exists() else None
+        if ckpt is not None and (ckpt / "config.json").is_file() and (out / "train_summary.json").is_file():
+            return ckpt
+    return None
+
+
+def _train_demo_drafter(args: argparse.Namespace, target, work: Path) -> Path:
+    from dspark.training.config import load_config
+    from dspark.training.dataset import write_tokenized
+    from dspark.training.prompts import build_prompt_set
+    from dspark.training.regenerate import regenerate
+    from dspark.training.trainer import train
+
+    work.mkdir(parents=True, exist_ok=True)
+    prompts, regen, tok = work / "prompts.jsonl", work / "regenerated.jsonl", work / "tok"
+    print(f"[demo] no trained drafter found: building {args.num_train_prompts} training prompts and letting the "
+          f"target answer them (resumable, in {work})")
+    if not prompts.is_file():
+        build_prompt_set(prompts, args.num_train_prompts, seed=1)
+    regenerate(target, prompts, regen, batch_size=16, max_new_tokens=192, seed=1)
+    if not (tok / "manifest.json").is_file():
+        write_tokenized(regen, target.tokenizer, tok, max_length=512)
+    print(f"[demo] training a 1-layer DSpark drafter (Markov head) for {args.train_minutes:g} min")
+    cfg = load_config(
+        "smollm2-dspark-markov",
+        [f"time_budget_s={args.train_minutes * 60:.0f}", "epochs=20", "max_length=512", "checkpoint_every=50"],
+        target=args.target, data=[str(tok)], out=str(work / "drafter"),
+    )
+    resume = (work / "drafter" / "step_latest").exists()
+    return train(cfg, resume=resume, target=target)
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    import torch
+
+    from dspark.drafters.base import NoDrafter
+    from dspark.drafters.prompt_lookup import PromptLookupDrafter
+    from dspark.drafters.registry import load_drafter
+    from dspark.evaluation.datasets import load_eval_dataset
+    from dspark.generation.generator import SpeculativeGenerator
+    from dspark.sampling.processing import SamplingParams
+    from dspark.target.model import load_target
+
+    t_start = time.perf_counter()
+    target = load_target(args.target)
+    print(f"[demo] target {args.target}: {target.num_layers} layers, vocab {target.vocab_size} ({target.path})")
+    work = Path(args.work_dir) if args.work_dir else dspark_home() / "demo"
+    ckpt = _find_drafter(args, work)
+    if ckpt is None:
+        ckpt = _train_demo_drafter(args, target, work)
+    print(f"[demo] DSpark drafter: {ckpt}")
+    drafters = {
+        "plain (no drafter)": NoDrafter(target.vocab_size),
+        "prompt lookup": PromptLookupDrafter(target.vocab_size, 7),
+        "DSpark": load_drafter(str(ckpt), target),
+    }
+    prompts = []
+    for name in DEMO_SETS:
+        for s in load_eval_dataset(name, limit=args.prompts_per_set).samples:
+            prompts.append((name, target.encode_chat(s.prompt)))
+    sp = SamplingParams(temperature=0.0, max_new_tokens=args.max_new_tokens)
+    rows, reference = [], None
+    for label, drafter in drafters.items():
+        gen = SpeculativeGenerator(target, drafter)
+        gen.generate([prompts[0][1]], SamplingParams(temperature=0.0, max_new_tokens=4))  # warm-up
+        outputs, tokens, seconds, taus = [], 0, 0.0, []
+        for _, ids in prompts:
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                res = gen.generate([ids], sp)[0]
+            seconds += time.perf_counter() - t0
+            tokens += len(res.output_ids)
+            outputs.append(res.output_ids)
+            taus.append(res.stats.acceptance_length)
+        reference = reference or outputs
+        rows.append((label, sum(taus) / len(taus), tokens / seconds, outputs == reference))
+    base = rows[0][2]
+    print(f"\n{len(prompts)} prompts ({', '.join(DEMO_SETS)}), greedy, {args.max_new_tokens} new tokens max\n")
+    print(f"| decoding | acceptance length | tokens/s | speedup | same text as plain |")
+    print(f"|---|---|---|---|---|")
+    for label, tau, tps, same in rows:
+        print(f"| {label} | {tau:.2f} | {tps:.1f} | {tps / base:.2f}x | {'yes' if same else 'NO'} |")
+    print(f"\n[demo] done in {time.perf_counter() - t_start:.0f} s")
+    return 0 if all(r[3] for r in rows) else 1
