@@ -13,11 +13,12 @@ _TRAIN_EPILOG = """\
 examples:
   dspark train --config smollm2-dspark-markov
   dspark train --drafter dflash --config smollm2-dflash --set max_steps=200 --set model.num_anchors=16
+  dspark train --config smollm2-draft-lm --set model.num_layers=6   # distilled independent draft LM (HF folder)
   dspark train --config my.json --out runs/x --resume          # continue from runs/x/step_latest
   torchrun --nproc_per_node 2 -m dspark.cli train --config smollm2-dspark-markov   # DDP (gloo on CPU)
 
 --set takes KEY=VALUE (VALUE parsed as JSON when it parses, else a string); model.KEY reaches the
-drafter config (DSparkConfig / Eagle3Config). Unknown keys are errors. --print-config shows the result.
+drafter config (DSparkConfig / Eagle3Config / DraftLMConfig). Unknown keys are errors. --print-config shows the result.
 """
 
 
@@ -25,16 +26,19 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     from dspark.training.config import DRAFTERS, preset_names
 
     p = sub.add_parser(
-        "train", help="train a DSpark, DFlash or Eagle3 drafter for a frozen target",
+        "train", help="train a DSpark, DFlash or Eagle3 drafter (or a distilled draft LM) for a frozen target",
         description="Trains a drafter on tokenized data (target features computed online) or on a feature "
         "cache. Works in one process or under torchrun (DDP). Checkpoints go to OUT/step_N with a step_latest "
-        f"symlink; TensorBoard logs to OUT/tb. Presets: {', '.join(preset_names())}.",
+        "symlink; TensorBoard logs to OUT/tb. Drafter draft-lm is a layer-pruned copy of the target distilled with "
+        "KL(target || draft); its checkpoints are ordinary HF causal-LM folders (tokenizer included). "
+        f"Presets: {', '.join(preset_names())}.",
         epilog=_TRAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--config", required=True, metavar="FILE|PRESET",
                    help="a JSON training config or the name of a bundled preset")
     p.add_argument("--drafter", choices=DRAFTERS, default=None,
-                   help="drafter kind (default: the config's 'drafter'); dflash = DSpark backbone without heads")
+                   help="drafter kind (default: the config's 'drafter'); dflash = DSpark backbone without heads; "
+                   "draft-lm = an independent draft LM cut from the target and distilled")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override one config field, e.g. --set lr=3e-4 --set model.block_size=7 (repeatable)")
     p.add_argument("--out", default=None, help="output folder (default: the config's 'out')")

@@ -3,7 +3,8 @@
 A config file is a JSON object whose keys are ``TrainConfig`` fields. Keys that
 start with ``_`` are comments (every preset opens with ``"_command"``, the exact
 command that runs it). ``model`` is a sub-dict mapped onto the drafter's own
-config class (``DSparkConfig`` for dspark/dflash, ``Eagle3Config`` for eagle3);
+config class (``DSparkConfig`` for dspark/dflash, ``Eagle3Config`` for eagle3,
+``DraftLMConfig`` for draft-lm, the distilled independent draft LM);
 dotted override keys reach into it (``--set model.block_size=7``). Unknown keys
 are errors, at both levels.
 
@@ -25,7 +26,7 @@ from typing import Any
 
 from dspark.errors import DSparkError
 
-DRAFTERS = ("dspark", "dflash", "eagle3")
+DRAFTERS = ("dspark", "dflash", "eagle3", "draft-lm")
 FEATURE_SOURCES = ("online", "cache")
 DTYPES = ("float32", "bfloat16")
 
@@ -36,11 +37,11 @@ class TrainConfigError(DSparkError):
 
 @dataclass
 class TrainConfig:
-    drafter: str = "dspark"  # dspark | dflash | eagle3
+    drafter: str = "dspark"  # dspark | dflash | eagle3 | draft-lm
     target: str = "smollm2-135m"  # preset name or HF folder
     data: list[str] = field(default_factory=list)  # tokenized dataset path(s), for feature_source "online"
     out: str = "runs/train"
-    model: dict[str, Any] = field(default_factory=dict)  # -> DSparkConfig / Eagle3Config fields
+    model: dict[str, Any] = field(default_factory=dict)  # -> DSparkConfig / Eagle3Config / DraftLMConfig fields
     # optimisation (DeepSpec defaults, interop §1)
     lr: float = 6e-4
     warmup_ratio: float = 0.04
@@ -229,6 +230,10 @@ def load_config(name_or_path: str | None, overrides: list[str] = (), **fields: A
 # ---------------------------------------------------------------- model sub-config
 
 def _model_config_class(drafter: str):
+    if drafter == "draft-lm":
+        from dspark.drafters.draft_lm_model import DraftLMConfig
+
+        return DraftLMConfig
     if drafter == "eagle3":
         from dspark.drafters.eagle3_model import Eagle3Config
 
@@ -253,11 +258,12 @@ def check_model_keys(cfg: TrainConfig) -> None:
 
 
 def build_model_config(cfg: TrainConfig, default_layer_ids: list[int] | None = None):
-    """The drafter's config object (``DSparkConfig``, ``DSparkConfig.dflash`` or ``Eagle3Config``)."""
+    """The drafter's config object (``DSparkConfig``, ``DSparkConfig.dflash``, ``Eagle3Config``, ``DraftLMConfig``)."""
     check_model_keys(cfg)
     cls = _model_config_class(cfg.drafter)
     kw = dict(cfg.model)
-    if default_layer_ids is not None and kw.get("target_layer_ids") is None:
+    reads_features = "target_layer_ids" in {f.name for f in dataclasses.fields(cls)}
+    if reads_features and default_layer_ids is not None and kw.get("target_layer_ids") is None:
         kw["target_layer_ids"] = list(default_layer_ids)
     try:
         return cls.dflash(**kw) if cfg.drafter == "dflash" else cls(**kw)

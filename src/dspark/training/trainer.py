@@ -236,9 +236,12 @@ def build_sample_source(cfg: TrainConfig, target, layer_ids: list[int], dtype: t
             if not cfg.cache_dir:
                 raise TrainConfigError("feature_source is 'cache' but cache_dir is not set")
             dataset = features.FeatureCacheDataset(cfg.cache_dir, dtype=dtype, max_length=cfg.max_length)
-            features.check_cache_fits(dataset.manifest, layer_ids, target.hidden_size)
+            if layer_ids:
+                features.check_cache_fits(dataset.manifest, layer_ids, target.hidden_size)
+            else:  # a drafter that reads only the final hidden state can use any cache of this target
+                features.check_cache_fits(dataset.manifest, dataset.manifest["target_layer_ids"], target.hidden_size)
         size = len(dataset)
-        get = dataset.__getitem__
+        get = dataset.__getitem__ if layer_ids else (lambda i: _without_features(dataset[i]))
     else:
         dataset = dataset if dataset is not None else load_token_dataset(cfg.data)
         size = len(dataset)
@@ -246,11 +249,32 @@ def build_sample_source(cfg: TrainConfig, target, layer_ids: list[int], dtype: t
         def get(i: int) -> TrainSample:
             item = dataset[i]
             if isinstance(item, TrainSample):
-                return item
+                return item if layer_ids else _without_features(item)
+            if not layer_ids:
+                return _last_hidden_sample(target, item, cfg.max_length, dtype)
             return features.online_sample(target, item, layer_ids, cfg.max_length, dtype)
     if cfg.max_samples is not None:
         size = min(size, cfg.max_samples)
     return SampleSource(get, size)
+
+
+def _without_features(s: TrainSample) -> TrainSample:
+    """The sample with an empty (L, 0) feature tensor, for drafters that read no target layers."""
+    return TrainSample(s.input_ids, s.loss_mask, s.target_features[:, :0], s.target_last_hidden)
+
+
+def _last_hidden_sample(target, item: dict[str, Any], max_length: int | None, dtype: torch.dtype) -> TrainSample:
+    """A sample with only the target's final hidden state (the draft LM distils from it)."""
+    input_ids = torch.as_tensor(np.asarray(item["input_ids"]), dtype=torch.long)[:max_length]  # (L,)
+    loss_mask = torch.as_tensor(np.asarray(item["loss_mask"]), dtype=torch.long)[:max_length]  # (L,)
+    if input_ids.numel() > target.max_context:
+        raise DSparkError(
+            f"a training sequence has {input_ids.numel()} tokens but the target's context is "
+            f"{target.max_context}; lower max_length"
+        )
+    out = target.forward(input_ids, [input_ids.numel()], caches=None, logits_for="none")
+    last_hidden = out.last_hidden.clone().to(dtype)  # (L, H); clone: out of inference mode
+    return TrainSample(input_ids, loss_mask, last_hidden[:, :0], last_hidden)
 
 
 def _to_device(s: TrainSample, device: torch.device, dtype: torch.dtype) -> TrainSample:
@@ -276,6 +300,10 @@ class _LossModule(nn.Module):
 
 def drafter_class(drafter: str) -> type[nn.Module]:
     """The model class of a drafter kind (dflash shares DSpark's class)."""
+    if drafter == "draft-lm":
+        from dspark.drafters.draft_lm_model import DraftLMModel
+
+        return DraftLMModel
     if drafter == "eagle3":
         from dspark.drafters import eagle3_model as module
 
