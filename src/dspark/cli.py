@@ -18,6 +18,7 @@ _COMMAND_MODULES = (
     "dspark.evaluation.cli",
     "dspark.scheduler.cli",
     "dspark.serving.cli",
+    "dspark.bench_speed",
     "dspark.reproduce",
     "dspark.demo",
 )

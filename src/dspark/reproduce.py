@@ -29,7 +29,7 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -53,6 +53,8 @@ class Budget:
     ablation_train_time_s: float  # time_budget_s of every ablation drafter
     block_ablation_layers: int  # draft layers in the block-size ablation (paper: 5)
     train_overrides: tuple[str, ...] = ()  # extra --set for every training run
+    # cache the target features of the first N sequences once and train every drafter on them (None = online)
+    feature_cache_limit: int | None = None
 
     def table(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if k != "name"}
@@ -69,6 +71,11 @@ BUDGETS: dict[str, Budget] = {
                     max_length=512, train_epochs=3, train_time_s=1800, eval_limit=10, eval_max_new_tokens=192,
                     calib_limit=30, sweep_thresholds=(0.0, 0.2, 0.4, 0.6, 0.8, 0.9), ablation_train_time_s=600,
                     block_ablation_layers=1),
+    # the study committed in docs/results.md: about 1.5 hours on a quiet 2-core CPU, given tokenized data
+    "cpu": Budget("cpu", num_prompts=1200, alpaca_num=40, regen_max_new_tokens=256, regen_batch_size=24,
+                  max_length=512, train_epochs=10, train_time_s=540, eval_limit=3, eval_max_new_tokens=192,
+                  calib_limit=6, sweep_thresholds=(0.0, 0.4, 0.7, 0.9), ablation_train_time_s=240,
+                  block_ablation_layers=1, feature_cache_limit=640),
     # a GPU machine; evaluation protocol as DeepSpec (caps, 2048 new tokens)
     "full": Budget("full", num_prompts=50_000, alpaca_num=500, regen_max_new_tokens=2048, regen_batch_size=32,
                    max_length=4096, train_epochs=10, train_time_s=6 * 3600, eval_limit=None,
@@ -153,13 +160,21 @@ def _train_step(name: str, stage: str, preset: str, kind: str, out: Path, data: 
     return Step(f"train-{name}" if stage == "train" else f"{stage}-train-{name}", stage, argv, [str(out / LATEST)])
 
 
-def plan(budget: Budget, out: str | Path, target: str, ablations: bool = False) -> list[Step]:
-    """Every command of the study, in order."""
+def plan(budget: Budget, out: str | Path, target: str, ablations: bool = False,
+         data_dir: str | Path | None = None) -> list[Step]:
+    """Every command of the study, in order. ``data_dir``: an existing tokenized dataset (skips the data steps)."""
     out = Path(out)
     data = out / "data"
     prompts, regenerated, tok = data / "prompts.jsonl", data / "regenerated.jsonl", data / "tok"
     alpaca = data / "alpaca-substitute.jsonl"
     steps: list[Step] = []
+    if data_dir is not None:
+        tok = Path(data_dir)
+        steps.append(Step("alpaca-substitute", "data", [
+            "data", "prompts", "--out", str(data / "unused-prompts.jsonl"), "--num", "3", "--seed", "0",
+            "--allow-short", "--alpaca-substitute", str(alpaca), "--alpaca-num", str(budget.alpaca_num),
+        ], [str(alpaca)]))
+        return _plan_after_data(steps, budget, out, target, ablations, tok, alpaca)
 
     argv = ["data", "prompts", "--out", str(prompts), "--num", str(budget.num_prompts), "--seed", "0",
             "--allow-short"]
@@ -174,7 +189,19 @@ def plan(budget: Budget, out: str | Path, target: str, ablations: bool = False) 
         "data", "tokenize", "--in", str(regenerated), "--target", target, "--out", str(tok),
         "--max-length", str(budget.max_length),
     ], [str(tok)]))
+    return _plan_after_data(steps, budget, out, target, ablations, tok, alpaca)
 
+
+def _plan_after_data(steps: list[Step], budget: Budget, out: Path, target: str, ablations: bool, tok: Path,
+                     alpaca: Path) -> list[Step]:
+    if budget.feature_cache_limit is not None:
+        cache = out / "data" / "features"
+        steps.append(Step("features", "data", [
+            "data", "features", "--target", target, "--data", str(tok), "--out", str(cache),
+            "--max-length", str(budget.max_length), "--limit", str(budget.feature_cache_limit),
+        ], [str(cache)]))
+        budget = replace(budget, train_overrides=(*budget.train_overrides, "feature_source=cache",
+                                                  f"cache_dir={cache}"))
     ckpt = {name: out / "train" / name / LATEST for name, _, _ in MAIN_DRAFTERS}
     for name, preset, kind in MAIN_DRAFTERS:
         steps.append(_train_step(name, "train", preset, kind, out / "train" / name, tok, target, budget,
@@ -388,6 +415,8 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default="runs/reproduce", help="working folder (default: %(default)s)")
     p.add_argument("--target", default=DEFAULT_TARGET, help="target preset or HF folder (default: %(default)s)")
     p.add_argument("--ablations", action="store_true", help="also the depth (Fig. 3) and block-size (Fig. 4) ablations")
+    p.add_argument("--data", default=None, metavar="TOKDIR",
+                   help="use this tokenized dataset (dspark data tokenize) instead of building one")
     p.add_argument("--docs", default="docs/results.md", help="results page to write (default: %(default)s)")
     p.add_argument("--dry-run", action="store_true", help="print the commands (with done/todo) and run nothing")
     p.set_defaults(func=_reproduce)
@@ -395,8 +424,10 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
 
 def _reproduce(args: argparse.Namespace) -> int:
     budget = BUDGETS[args.budget]
-    steps = plan(budget, args.out, args.target, args.ablations)
+    steps = plan(budget, args.out, args.target, args.ablations, args.data)
     command = f"dspark reproduce --budget {budget.name} --out {args.out}"
+    if args.data:
+        command += f" --data {args.data}"
     if args.target != "smollm2-135m":
         command += f" --target {args.target}"
     if args.ablations:

@@ -164,3 +164,18 @@ def test_reproduce_writes_docs_from_results(tmp_path):
     assert "STS calibration: dspark-markov" in text and "0.0100" in text
     assert "Drafter depth" in text and (tmp_path / "docs" / "figures" / "ablation_depth.png").is_file()
     assert "](figures/ablation_depth.png)" in text
+
+
+def test_reproduce_with_existing_data_caches_features_once(tmp_path):
+    from dspark.reproduce import BUDGETS, check_commands, plan
+
+    steps = plan(BUDGETS["cpu"], tmp_path / "study", "smollm2-135m", data_dir=tmp_path / "tok")
+    names = [s.name for s in steps]
+    assert "regenerate" not in names and "tokenize" not in names
+    assert names.index("features") < min(i for i, n in enumerate(names) if n.startswith("train-"))
+    trains = [s for s in steps if s.name.startswith("train-")]
+    assert len(trains) == 4
+    for s in trains:  # every drafter reads the same cache, under the same time budget
+        assert f"cache_dir={tmp_path / 'study' / 'data' / 'features'}" in s.argv
+        assert "feature_source=cache" in s.argv and "time_budget_s=540" in s.argv
+    assert check_commands(steps) == []

@@ -104,6 +104,7 @@ def add_data_commands(data_sub: argparse._SubParsersAction) -> None:
                    "layers spread from 1 to L-3)")
     p.add_argument("--max-length", type=int, default=None, help="truncate sequences (default: the config's)")
     p.add_argument("--shard-gb", type=float, default=64.0, help="largest shard file in GiB (default: %(default)s)")
+    p.add_argument("--limit", type=int, default=None, help="cache only the first N sequences")
     p.set_defaults(func=_features)
 
 
@@ -138,6 +139,10 @@ def _features(args: argparse.Namespace) -> int:
         layer_ids = target.default_layer_ids()
     max_length = args.max_length or (cfg.max_length if cfg else None)
     dataset = load_token_dataset(list(data))
+    if args.limit is not None:
+        if args.limit < 1:
+            raise TrainConfigError("--limit must be >= 1")
+        dataset = [dataset[i] for i in range(min(args.limit, len(dataset)))]
     out = build_feature_cache(target, dataset, layer_ids, args.out, max_length=max_length,
                               max_shard_bytes=int(args.shard_gb * 2**30), source_paths=list(data))
     print(f"{out}: {len(dataset)} sequences, target layers {layer_ids}, "
