@@ -25,8 +25,10 @@ Per row and temperature:
                   rejection sampling (``SpeculativeGenerator.timings``, per step)
   ideal         = tau * t_AR / (t_draft + t_verify), t_AR = ours-plain's mean step time (eq. 1: latency
                   per token is (T_draft + T_verify) / tau; ideal = latency_AR / latency_spec)
-  efficiency    = (x ours) / ideal: the share of the ideal that end-to-end decoding realises; below 1
-                  is time outside draft + verify (prefill, bookkeeping, commit), above 1 is noise
+  decode x      = the speedup over ours-plain in the decode phase: tokens after the first over the seconds
+                  from the first speculative step on (prefill and first token, shared by all, excluded)
+  efficiency    = (decode x) / ideal: the share of the ideal that the decode loop realises; below 1 is
+                  time outside draft + verify (bookkeeping, committing, Python), a little above 1 is noise
   greedy match  = prompts whose greedy output equals hf-generate's token for token
   peak RSS      = the process's resident-set high-water mark (VmHWM) during the row's calls, reset before
                   each call through /proc/self/clear_refs; "+RSS" = that peak minus the RSS just before the
@@ -462,24 +464,40 @@ def _f(value, digits: int = 2) -> str:
     return "–" if value is None else f"{value:.{digits}f}"
 
 
+# (column title, row -> cell text); the greedy-match column is inserted before the memory columns at T = 0
+_COLUMNS: list[tuple[str, Callable[[dict], str]]] = [
+    ("method", lambda r: r["method"]),
+    ("k", lambda r: str(r["block_size"] or "")),
+    ("tok/s", lambda r: _f(r["tokens_per_s"], 1)),
+    ("× hf-generate", lambda r: _f(r["x_hf_generate"])),
+    ("× ours-plain", lambda r: _f(r["x_ours_plain"])),
+    ("τ", lambda r: _f(r.get("tau"))),
+    ("draft ms/step", lambda r: _f(r.get("draft_ms"), 1)),
+    ("verify ms/step", lambda r: _f(r.get("verify_ms"), 1)),
+    ("ideal ×", lambda r: _f(r.get("ideal_speedup"))),
+    ("decode ×", lambda r: _f(r.get("x_ours_plain_decode"))),
+    ("efficiency", lambda r: _f(r.get("efficiency"))),
+]
+_MEMORY_COLUMNS: list[tuple[str, Callable[[dict], str]]] = [
+    ("peak RSS MiB", lambda r: _f(r["peak_rss_mib"], 0)),
+    ("+RSS MiB", lambda r: _f(r["extra_rss_mib"], 0)),
+]
+
+
+def _greedy_cell(r: dict) -> str:
+    gm = r.get("greedy_match")
+    return f"{gm[0]}/{gm[1]}" if gm else "–"
+
+
 def _table(rows: list[dict], temperature: float, reference: str) -> list[str]:
-    greedy = temperature == 0
-    head = ("| method | k | tok/s | × hf-generate | × ours-plain | τ | draft ms/step | verify ms/step | ideal × "
-            "| decode × | efficiency |" + (f" greedy = {reference} |" if greedy else "") + " peak RSS MiB | +RSS MiB |")
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    columns = list(_COLUMNS)
+    if temperature == 0:
+        columns.append((f"greedy = {reference}", _greedy_cell))
+    columns += _MEMORY_COLUMNS
+    lines = ["| " + " | ".join(title for title, _ in columns) + " |", "|" + "---|" * len(columns)]
     for r in rows:
-        if r["temperature"] != temperature:
-            continue
-        match = ""
-        if greedy:
-            gm = r.get("greedy_match")
-            match = f" {gm[0]}/{gm[1]} |" if gm else " – |"
-        lines.append(
-            f"| {r['method']} | {r['block_size'] or ''} | {_f(r['tokens_per_s'], 1)} | {_f(r['x_hf_generate'])} | "
-            f"{_f(r['x_ours_plain'])} | {_f(r.get('tau'))} | {_f(r.get('draft_ms'), 1)} | {_f(r.get('verify_ms'), 1)} | "
-            f"{_f(r.get('ideal_speedup'))} | {_f(r.get('x_ours_plain_decode'))} | {_f(r.get('efficiency'))} |{match} {_f(r['peak_rss_mib'], 0)} | "
-            f"{_f(r['extra_rss_mib'], 0)} |"
-        )
+        if r["temperature"] == temperature:
+            lines.append("| " + " | ".join(cell(r) for _, cell in columns) + " |")
     return lines
 
 
@@ -514,7 +532,7 @@ def render_markdown(result: dict[str, Any], title: str = "Decoding speed", raw_j
     lines = [
         f"# {title}", "",
         f"Reproduce: `{result['command']}`" if result.get("command") else "", "",
-        f"Target `{cfg['target']}`; {result['num_prompts']} prompts ({cfg['per_set']} from each of {sets}; first "
+        f"Target `{cfg['target']}`; {result['num_prompts']} prompt(s) ({cfg['per_set']} from each of {sets}; first "
         f"turn through the chat template), batch size 1, up to {cfg['max_new_tokens']} new tokens, float32.",
         f"Machine: {mach.get('cpu_model') or mach.get('machine')}, {mach.get('cpu_count')} CPUs, "
         f"{mach.get('memory_gib')} GiB; {mach.get('torch_threads')} torch threads; {mach.get('platform')}; "
@@ -577,7 +595,9 @@ def run_speed_bench(cfg: SpeedConfig, command: str = "", log=print) -> dict[str,
         "command": command, "config": asdict(cfg), "machine": machine, "started": started,
         "wall_s": time.perf_counter() - t0, "memory_method": probe.method, "num_prompts": len(prompts),
         "prompts": [{"dataset": p.dataset, "idx": p.idx, "tokens": len(p.ids), "seed": p.seed} for p in prompts],
-        "rows": summarise(records, methods, cfg.temperatures), "records": [asdict(r) for r in records],
+        "rows": summarise(records, methods, cfg.temperatures),
+        # per-call records without the per-step time lists (their medians are in the rows)
+        "records": [{k: v for k, v in asdict(r).items() if not k.startswith("step_")} for r in records],
     }
 
 
@@ -586,8 +606,19 @@ def run_speed_bench(cfg: SpeedConfig, command: str = "", log=print) -> dict[str,
 def _named_path(text: str) -> list[str]:
     name, sep, path = text.partition("=")
     if not sep or not name.strip() or not path.strip():
-        raise argparse.ArgumentTypeError(f"expected NAME=CHECKPOINT (e.g. dspark-markov=runs/x/step_latest), got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected NAME=CHECKPOINT (e.g. dspark-markov=runs/x/step_latest), got {text!r}")
     return [name.strip(), path.strip()]
+
+
+def _positive_ints(text: str) -> list[int]:
+    try:
+        values = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected block sizes >= 1, got {text!r}")
+    return values
 
 
 def _floats(text: str) -> list[float]:
@@ -601,7 +632,7 @@ def _floats(text: str) -> list[float]:
 
 
 def add_cli(sub: argparse._SubParsersAction) -> None:
-    from dspark.serving.cli import _int_list, bench_subparsers
+    from dspark.serving.cli import bench_subparsers
 
     p = bench_subparsers(sub).add_parser(
         "speed", help="single-request tokens/s: HF generate / prompt lookup / assisted vs our engine and drafters",
@@ -612,8 +643,9 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         "speedup tau*t_AR/(t_draft+t_verify), efficiency, greedy equality with hf-generate and peak RSS. Writes "
         "OUT/speed.json, OUT/speed.md and docs/performance.md.",
         epilog="example: dspark bench speed --draft-lm runs/smollm2-draft-lm/step_latest "
-        "--drafter dspark-markov=runs/smollm2-dspark-markov/step_latest --drafter dflash=runs/smollm2-dflash/step_latest "
-        "--drafter eagle3=runs/smollm2-eagle3/step_latest --block-sizes 7,4",
+        "--drafter dspark-markov=runs/smollm2-dspark-markov/step_latest "
+        "--drafter dflash=runs/smollm2-dflash/step_latest --drafter eagle3=runs/smollm2-eagle3/step_latest "
+        "--block-sizes 7,4",
     )
     p.add_argument("--target", default=DEFAULT_TARGET, help="preset or HF folder (default: %(default)s)")
     p.add_argument("--sets", default="all",
@@ -627,12 +659,13 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-prompt-tokens", type=int, default=1024,
                    help="skip longer prompts (the next of the set is taken) (default: %(default)s)")
     p.add_argument("--draft-lm", default=None, metavar="FOLDER",
-                   help="distilled draft LM (`dspark train --config smollm2-draft-lm`) for hf-assisted and ours-draft-lm")
+                   help="distilled draft LM (`dspark train --config smollm2-draft-lm`) for hf-assisted and "
+                   "ours-draft-lm")
     p.add_argument("--draft-lm-block-size", type=int, default=None,
                    help="draft tokens per step for both draft-LM rows (default: the folder's, else 4)")
     p.add_argument("--drafter", dest="drafters", action="append", type=_named_path, default=[],
                    metavar="NAME=CHECKPOINT", help="a trained DSpark/DFlash/Eagle3 checkpoint (repeatable)")
-    p.add_argument("--block-sizes", type=_int_list, default=None,
+    p.add_argument("--block-sizes", type=_positive_ints, default=None,
                    help="comma-separated block sizes for every --drafter; larger than a checkpoint's own are skipped "
                    "(default: each checkpoint's own)")
     p.add_argument("--prompt-lookup-tokens", type=int, default=7,

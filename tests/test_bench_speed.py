@@ -1,0 +1,102 @@
+"""`dspark bench speed`: the summary formulas on fixed numbers, and a tiny end-to-end run (no timing assertions).
+
+The end-to-end run uses a tiny random Llama saved as an HF folder with a word-level
+tokenizer, so every row (transformers' generate / prompt lookup / assisted, and
+ours) runs on it in seconds; greedy rows must equal hf-generate token for token.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from dspark.bench_speed import CallRecord, Method, SpeedConfig, render_markdown, run_speed_bench, summarise, \
+    write_outputs
+from dspark.drafters.draft_lm_model import DraftLMConfig, DraftLMModel
+from dspark.target.model import load_target
+from tests.tiny import tiny_config
+
+
+def _method(name: str, family: str = "ours", k: int | None = None) -> Method:
+    return Method(name, family, k, lambda *a: ([], {}))
+
+
+def _call(method: str, new_tokens: int, seconds: float, steps: int = 0, committed: int = 0, draft_s: float = 0.0,
+          verify_s: float = 0.0, decode_s: float | None = None) -> CallRecord:
+    return CallRecord(method, 1.0, "gsm8k", 0, 10, new_tokens, seconds, 1024, 0, steps, committed, draft_s,
+                      verify_s, decode_s, [draft_s / max(steps, 1)] * steps, [verify_s / max(steps, 1)] * steps)
+
+
+def test_summary_formulas():
+    methods = [_method("hf-generate", "hf"), _method("ours-plain"), _method("ours-x", k=4)]
+    records = [
+        _call("hf-generate", 33, 2.0),
+        # plain: 32 steps of 40 ms (t_AR = 0.04 s), decode phase 33 - 1 tokens in 1.6 s
+        _call("ours-plain", 33, 1.5, steps=32, committed=32, verify_s=1.28, decode_s=1.6),
+        # drafter: 8 steps, tau = 4, 10 ms draft + 70 ms verify per step, decode phase 32 tokens in 0.8 s
+        _call("ours-x@k4", 33, 1.0, steps=8, committed=32, draft_s=0.08, verify_s=0.56, decode_s=0.8),
+    ]
+    rows = {r["method"]: r for r in summarise(records, methods, [1.0])}
+    x = rows["ours-x"]
+    assert x["tokens_per_s"] == pytest.approx(33.0)
+    assert x["x_hf_generate"] == pytest.approx(33.0 / 16.5) and x["x_ours_plain"] == pytest.approx(1.5)
+    assert x["tau"] == pytest.approx(4.0)
+    assert (x["draft_ms"], x["verify_ms"]) == (pytest.approx(10.0), pytest.approx(70.0))
+    assert x["ideal_speedup"] == pytest.approx(4.0 * 0.04 / 0.08)  # tau * t_AR / (t_draft + t_verify) = 2
+    assert x["x_ours_plain_decode"] == pytest.approx((32 / 0.8) / (32 / 1.6))  # 2
+    assert x["efficiency"] == pytest.approx(1.0)
+    assert rows["ours-plain"]["ideal_speedup"] == pytest.approx(1.0)
+    assert "ideal_speedup" not in rows["hf-generate"]
+
+
+def _tiny_hf_target(folder):
+    """A sharp tiny random Llama (no near-ties in greedy argmax) with a word-level tokenizer.
+
+    English prompts become [UNK] runs; with seed 0 the greedy continuation never hits token 94, so making
+    that the stop token gives full-length greedy outputs.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = tiny_config(eos_token_id=94)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.3)
+        model.lm_head.weight.mul_(4.0)
+    model.save_pretrained(folder, safe_serialization=True)
+    vocab = {f"w{i}": i for i in range(cfg["vocab_size"] - 1)} | {"[UNK]": cfg["vocab_size"] - 1}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
+                                                              "unk_token": "[UNK]"}))
+    return load_target(str(folder))
+
+
+def test_tiny_end_to_end_greedy_rows_equal_hf_generate(tmp_path):
+    target = _tiny_hf_target(tmp_path / "target")
+    DraftLMModel.from_target(target, DraftLMConfig(num_layers=2, block_size=3)).save_checkpoint(tmp_path / "dlm")
+    cfg = SpeedConfig(target=str(tmp_path / "target"), sets=["gsm8k", "mt-bench"], per_set=1, max_new_tokens=12,
+                      temperatures=[0.0, 1.0], draft_lm=str(tmp_path / "dlm"), warmup_tokens=2,
+                      max_prompt_tokens=400)
+    result = run_speed_bench(cfg, "dspark bench speed --test", log=lambda msg: None)
+    rows = result["rows"]
+    names = {r["key"] for r in rows}
+    assert names == {"hf-generate", "hf-prompt-lookup@k7", "hf-assisted@k3", "ours-plain", "ours-prompt-lookup@k7",
+                     "ours-draft-lm@k3"}
+    for r in rows:
+        assert r["prompts"] == 2 and r["tokens_per_s"] > 0
+        if r["temperature"] == 0:
+            assert r["new_tokens"] == 24  # full length: the comparison covers 12 tokens per prompt
+            assert r["greedy_match"] == [2, 2], (r["key"], r["mismatches"])
+        if r["family"] == "ours":
+            assert r["tau"] >= 1.0 and r["ideal_speedup"] > 0
+    paths = write_outputs(result, tmp_path / "out", str(tmp_path / "performance.md"))
+    doc = (tmp_path / "performance.md").read_text()
+    assert "dspark bench speed --test" in doc and "| ours-draft-lm | 3 |" in doc and "ideal ×" in doc
+    again = render_markdown(json.loads(paths[0].read_text()))  # --from-json renders the same tables
+    assert again == (tmp_path / "out" / "speed.md").read_text()
