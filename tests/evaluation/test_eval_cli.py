@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from dspark.cli import main
 from dspark.errors import DSparkError

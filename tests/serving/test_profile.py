@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from dspark.cli import main
 from dspark.scheduler.profile import batch_token_grid, load_or_profile, profile_target
@@ -14,14 +13,6 @@ from dspark.serving.engine import Engine
 from dspark.serving.policy_adapter import make_policy
 from dspark.sampling.processing import SamplingParams
 from tests.tiny import save_hf_folder, tiny_config, tiny_target
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_grid_is_sglang_style_or_dense():

@@ -14,7 +14,6 @@ import time
 import httpx
 import openai
 import pytest
-import torch
 
 from dspark.drafters.prompt_lookup import PromptLookupDrafter
 from dspark.errors import ModelLoadError
@@ -31,14 +30,6 @@ from tests.tiny import tiny_target
 MODEL = "tiny-smollm2"
 KEY = "sk-test-key"
 CONTEXT = 4096
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
