@@ -222,3 +222,27 @@ def test_overfitting_a_few_sequences_drives_acceptance_up(tmp_path):
     # negative control: without learning the acceptance estimate stays where it started
     first0, last0 = _overfit(tmp_path, lr=1e-9)
     assert abs(last0 - first0) < 0.05, (first0, last0)
+
+
+def test_time_budget_schedule_warms_up_and_decays_within_the_budget():
+    from dspark.training.trainer import progress_multiplier
+
+    assert progress_multiplier(0.0, 0.04) == pytest.approx(1e-3)
+    assert progress_multiplier(0.02, 0.04) == pytest.approx(0.5)
+    assert progress_multiplier(0.04, 0.04) == pytest.approx(1.0)
+    assert progress_multiplier(0.52, 0.04) == pytest.approx(0.5)
+    assert progress_multiplier(1.0, 0.04) == pytest.approx(0.0, abs=1e-12)
+    assert progress_multiplier(1.7, 0.04) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_time_budget_run_uses_the_time_schedule(tmp_path):
+    out = tmp_path / "timed"
+    cfg = tiny_cfg(out, max_steps=10_000, time_budget_s=3.0, log_every=1, lr=1e-3, warmup_ratio=0.04)
+    train(cfg, target=tiny_target(), dataset=random_data(8))
+    m = read_metrics(out)
+    steps = sorted(m)
+    assert len(steps) < 10_000  # stopped by the budget
+    # past warmup the rate reaches the peak and then decays towards 0 by the end of the budget
+    lrs = [m[s]["lr"] for s in steps]
+    assert len(steps) > 20, steps
+    assert max(lrs) > 0.5e-3 and lrs[-1] < 0.2e-3, lrs

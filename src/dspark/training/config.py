@@ -62,6 +62,8 @@ class TrainConfig:
     cache_dir: str | None = None  # the feature cache (``dspark data features``) for feature_source "cache"
     dtype: str = "float32"  # drafter and target compute dtype; the optimizer keeps fp32 master weights
     device: str = "cpu"  # cpu | cuda | auto
+    # stop (with a checkpoint) at the first step boundary after this many seconds; the LR schedule then runs
+    # over max(step fraction, time fraction), so warmup and cosine decay fit the budget
     time_budget_s: float | None = None  # stop (with a checkpoint) at the first step boundary after this many
     # seconds of training, counted across resumes: for equal-compute comparisons
     num_threads: int | None = None  # torch intra-op threads per process

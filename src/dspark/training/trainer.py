@@ -112,6 +112,13 @@ def _resolve_device(name: str, local_rank: int) -> torch.device:
 
 # ---------------------------------------------------------------- schedule and data order
 
+def progress_multiplier(progress: float, warmup_ratio: float) -> float:
+    """The same warmup + cosine shape over training progress in [0, 1] (used with a time budget)."""
+    if progress < warmup_ratio:
+        return max(progress / warmup_ratio, 1e-3)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, (progress - warmup_ratio) / max(1e-9, 1.0 - warmup_ratio))))
+
+
 def lr_multiplier(step: int, total_steps: int, warmup_steps: int) -> float:
     """LR / peak LR while taking optimizer step ``step`` (0-based).
 
@@ -548,7 +555,17 @@ class Trainer:
 
     # -- one optimizer step
 
-    def train_step(self) -> tuple[float, dict[str, float], float, int]:
+    def _time_progress(self, seconds: float) -> float | None:
+        """With a time budget the schedule runs over max(steps, seconds) progress, so a run cut by its
+        budget still warms up and decays to zero instead of stopping early in the warmup."""
+        if self.cfg.time_budget_s is None:
+            return None
+        progress = torch.tensor([max(self.step / self.total_steps, seconds / max(self.cfg.time_budget_s, 1e-9))])
+        if self.d.distributed:  # rank 0's clock decides
+            torch.distributed.broadcast(progress, src=0)
+        return float(progress)
+
+    def train_step(self, progress: float | None = None) -> tuple[float, dict[str, float], float, int]:
         """Run step ``self.step``; returns (mean loss, mean metrics, grad norm, tokens) of this rank."""
         d, accum = self.d, self.accum
         loss_sum, metric_sums, tokens = 0.0, {}, 0
@@ -565,8 +582,13 @@ class Trainer:
             tokens += int(sample.input_ids.numel())
         self.masters.grads_to_master()
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.masters.master, self.cfg.max_grad_norm))
-        self.optimizer.step()
-        self.scheduler.step()
+        if progress is not None:  # time-budget schedule; the step-count scheduler stays idle
+            for group in self.optimizer.param_groups:
+                group["lr"] = self.cfg.lr * progress_multiplier(progress, self.cfg.warmup_ratio)
+            self.optimizer.step()
+        else:
+            self.optimizer.step()
+            self.scheduler.step()
         self.masters.master_to_model()
         self.step += 1
         return loss_sum / accum, {k: v / accum for k, v in metric_sums.items()}, grad_norm, tokens
@@ -581,8 +603,11 @@ class Trainer:
         last_ckpt, last_scalars, stopped_by = self.resume_from, {}, "max_steps"
         try:
             while self.step < self.total_steps:
+                progress = self._time_progress(self.prior_seconds + time.perf_counter() - start)
                 lr = self.optimizer.param_groups[0]["lr"]
-                loss, metrics, grad_norm, tokens = self.train_step()
+                loss, metrics, grad_norm, tokens = self.train_step(progress)
+                if progress is not None:  # the step set its own rate from the time progress
+                    lr = self.optimizer.param_groups[0]["lr"]
                 step_tokens = _all_sum(d, tokens)
                 self.tokens_seen += step_tokens
                 session_tokens += step_tokens
