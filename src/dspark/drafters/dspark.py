@@ -101,9 +101,10 @@ class DSparkDrafter:
         hidden = m.backbone(x, torch.cat(positions), groups).view(R, G, -1)  # (R, G, H)
 
         prev = torch.tensor([req.anchor for req in requests], dtype=torch.long, device=dev)  # x_{-1} = anchor
+        base = m.base_logits(hidden[:, :K])  # (R, K, V) U_k of every slot in one matmul: U does not depend on x_<k
         state = None
         for k in range(K):
-            state, logits, conf = m.head_step(state, hidden[:, k], prev)  # (R, V), (R,)
+            state, logits, conf = m.head_step(state, hidden[:, k], prev, base[:, k])  # (R, V), (R,)
             if conf_logits is not None:
                 conf_logits[:, k] = conf
             nxt = prev.clone()

@@ -383,12 +383,17 @@ class DSparkModel(nn.Module):
         state: torch.Tensor | None,  # (N, r) RNN state or None
         hidden: torch.Tensor,  # (N, H) h_k
         prev: torch.Tensor,  # (N,) x_{k-1}
+        base: torch.Tensor | None = None,  # (N, V) U_k when the caller computed it already
     ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:  # state, logits (N, V), confidence (N,)
-        """One left-to-right step of the sequential head (inference)."""
+        """One left-to-right step of the sequential head (inference), eq. (4)."""
         latent = None
         if self.markov_head is not None:
             state, latent = self.markov_head.step(state, hidden, prev)
-        return state, self.draft_logits(hidden, latent), self.confidence_logits(hidden, prev)
+        if base is None:
+            logits = self.draft_logits(hidden, latent)
+        else:
+            logits = base if latent is None else base + self.markov_head.bias(latent).to(base.dtype)
+        return state, logits, self.confidence_logits(hidden, prev)
 
     # ----------------------------------------------------------------- training
 
