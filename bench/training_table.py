@@ -37,11 +37,12 @@ def _params(run: Path) -> tuple[int, int] | None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--runs", default="runs/study/train", help="folder with one sub-folder per training run")
+    ap.add_argument("--runs", nargs="+", default=["runs/study/train"],
+                    help="folders with one sub-folder per training run")
     ap.add_argument("--out", default="docs/training-runs.md")
     args = ap.parse_args()
     rows = []
-    for run in sorted(Path(args.runs).iterdir()):
+    for run in sorted(r for folder in args.runs for r in Path(folder).iterdir()):
         summary_path = run / "train_summary.json"
         if not summary_path.is_file():
             continue
@@ -55,7 +56,7 @@ def main() -> None:
     lines = [
         "# Training runs",
         "",
-        f"Written by `python bench/training_table.py --runs {args.runs} --out {args.out}` from each run's "
+        f"Written by `python bench/training_table.py --runs {' '.join(args.runs)} --out {args.out}` from each run's "
         "`train_summary.json`. Machine: " + f"{platform.machine()}, {platform.processor() or 'CPU'}; "
         "tokens/s counts the tokens of the sequences trained on per wall-clock second of training.",
         "",
