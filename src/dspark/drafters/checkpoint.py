@@ -140,6 +140,15 @@ def check_target_fit(what: str, *, hidden_size: int, vocab_size: int, target_lay
         )
 
 
+def copy_frozen_embeddings(model: nn.Module, target) -> None:
+    """Copy the target's input embedding and LM head into ``model`` and freeze them (shared, never trained)."""
+    with torch.no_grad():
+        model.embed_tokens.weight.copy_(target.model.model.embed_tokens.weight)
+        model.lm_head.weight.copy_(target.model.lm_head.weight)
+    model.embed_tokens.requires_grad_(False)
+    model.lm_head.requires_grad_(False)
+
+
 def init_weights(module: nn.Module, std: float, generator: torch.Generator | None) -> None:
     """HF-style init: Linear/Embedding ~ N(0, std), zero biases; norms keep their ones/zeros."""
     for m in module.modules():

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from dspark.drafters.checkpoint import (
+    copy_frozen_embeddings,
     arch_name,
     check_layer_ids,
     check_target_fit,
@@ -273,11 +274,7 @@ class DSparkModel(nn.Module):
         return model.to(target.model.lm_head.weight.dtype)
 
     def copy_frozen_from(self, target) -> None:
-        with torch.no_grad():
-            self.embed_tokens.weight.copy_(target.model.model.embed_tokens.weight)
-            self.lm_head.weight.copy_(target.model.lm_head.weight)
-        self.embed_tokens.requires_grad_(False)
-        self.lm_head.requires_grad_(False)
+        copy_frozen_embeddings(self, target)
 
     @classmethod
     def from_checkpoint(cls, folder: Path, target=None) -> "DSparkModel":

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from dspark.drafters.checkpoint import (
+    copy_frozen_embeddings,
     arch_name,
     check_layer_ids,
     check_target_fit,
@@ -172,11 +173,7 @@ class Eagle3Model(nn.Module):
         return model.to(target.model.lm_head.weight.dtype)
 
     def copy_frozen_from(self, target) -> None:
-        with torch.no_grad():
-            self.embed_tokens.weight.copy_(target.model.model.embed_tokens.weight)
-            self.lm_head.weight.copy_(target.model.lm_head.weight)
-        self.embed_tokens.requires_grad_(False)
-        self.lm_head.requires_grad_(False)
+        copy_frozen_embeddings(self, target)
 
     @classmethod
     def from_checkpoint(cls, folder: Path, target=None) -> "Eagle3Model":
