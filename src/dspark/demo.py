@@ -29,7 +29,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--drafter", default=None, help="a DSpark checkpoint folder to use instead of finding/training one")
     p.add_argument("--work-dir", default=None, help="where demo data and the demo drafter go (default: $DSPARK_HOME/demo)")
     p.add_argument("--train-minutes", type=float, default=5.0, help="training time for a new demo drafter (default: %(default)s)")
-    p.add_argument("--num-train-prompts", type=int, default=128, help="prompts regenerated for training (default: %(default)s)")
+    p.add_argument("--num-train-prompts", type=int, default=96, help="prompts regenerated for training (default: %(default)s)")
     p.add_argument("--prompts-per-set", type=int, default=2, help="evaluation prompts per benchmark (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="per prompt (default: %(default)s)")
     p.set_defaults(func=run_demo)
@@ -61,7 +61,7 @@ def _train_demo_drafter(args: argparse.Namespace, target, work: Path) -> Path:
           f"target answer them (resumable, in {work})")
     if not prompts.is_file():
         build_prompt_set(prompts, args.num_train_prompts, seed=1)
-    regenerate(target, prompts, regen, batch_size=16, max_new_tokens=192, seed=1)
+    regenerate(target, prompts, regen, batch_size=16, max_new_tokens=160, seed=1)
     if not (tok / "manifest.json").is_file():
         write_tokenized(regen, target.tokenizer, tok, max_length=512)
     print(f"[demo] training a 1-layer DSpark drafter (Markov head) for {args.train_minutes:g} min")
