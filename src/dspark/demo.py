@@ -120,8 +120,8 @@ def run_demo(args: argparse.Namespace) -> int:
         rows.append((label, sum(taus) / len(taus), tokens / seconds, outputs == reference))
     base = rows[0][2]
     print(f"\n{len(prompts)} prompts ({', '.join(DEMO_SETS)}), greedy, {args.max_new_tokens} new tokens max\n")
-    print(f"| decoding | acceptance length | tokens/s | speedup | same text as plain |")
-    print(f"|---|---|---|---|---|")
+    print("| decoding | acceptance length | tokens/s | speedup | same text as plain |")
+    print("|---|---|---|---|---|")
     for label, tau, tps, same in rows:
         print(f"| {label} | {tau:.2f} | {tps:.1f} | {tps / base:.2f}x | {'yes' if same else 'NO'} |")
     print(f"\n[demo] done in {time.perf_counter() - t_start:.0f} s")

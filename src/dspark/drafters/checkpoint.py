@@ -140,6 +140,24 @@ def check_target_fit(what: str, *, hidden_size: int, vocab_size: int, target_lay
         )
 
 
+def load_drafter_weights(model: nn.Module, folder: Path, what: str, target=None) -> nn.Module:
+    """Load a drafter checkpoint's tensors into ``model``; returns it in float32 with embeddings frozen.
+
+    A checkpoint without ``embed_tokens`` / ``lm_head`` (drafts that share the target's, e.g. SpecForge's)
+    takes them from ``target``.
+    """
+    from dspark.modeling.weights import load_into
+
+    state = read_checkpoint_state(folder)
+    frozen = ("embed_tokens.", "lm_head.")
+    load_into(model, state, what, allow_missing=frozen if target is not None else ())
+    if target is not None and any(f"{p}weight" not in state for p in frozen):
+        copy_frozen_embeddings(model, target)
+    model.embed_tokens.requires_grad_(False)
+    model.lm_head.requires_grad_(False)
+    return model.float()
+
+
 def copy_frozen_embeddings(model: nn.Module, target) -> None:
     """Copy the target's input embedding and LM head into ``model`` and freeze them (shared, never trained)."""
     with torch.no_grad():

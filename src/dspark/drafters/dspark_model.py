@@ -36,19 +36,19 @@ from torch import nn
 
 from dspark.drafters.checkpoint import (
     copy_frozen_embeddings,
+    load_drafter_weights,
     arch_name,
     check_layer_ids,
     check_target_fit,
     draft_spec_from,
     init_weights,
-    read_checkpoint_state,
     target_base_config,
     write_checkpoint,
 )
 from dspark.errors import IncompatibleModelsError, ModelLoadError
 from dspark.modeling.layers import DecoderLayer, RMSNorm
 from dspark.modeling.spec import DecoderSpec, spec_from_config
-from dspark.modeling.weights import load_into, read_config
+from dspark.modeling.weights import read_config
 from dspark.training.blocks import Blocks, block_attention_mask, build_blocks, sample_anchors
 from dspark.training.losses import (
     chunked_row_terms,
@@ -297,14 +297,7 @@ class DSparkModel(nn.Module):
             num_target_layers = target.num_layers if target is not None else max(config.target_layer_ids) + 1
         base = {k: v for k, v in cfg_dict.items() if k not in _DRAFT_KEYS}
         model = cls(config, spec, base, int(num_target_layers))
-        state = read_checkpoint_state(folder)
-        frozen = ("embed_tokens.", "lm_head.")
-        load_into(model, state, f"DSpark drafter {folder}", allow_missing=frozen if target is not None else ())
-        if target is not None and any(f"{p}weight" not in state for p in frozen):
-            model.copy_frozen_from(target)  # e.g. SpecForge drafts that share the target's embedding
-        model.embed_tokens.requires_grad_(False)
-        model.lm_head.requires_grad_(False)
-        return model.float()
+        return load_drafter_weights(model, folder, f"DSpark drafter {folder}", target)
 
     # ----------------------------------------------------------------- pieces
 

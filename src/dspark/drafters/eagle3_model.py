@@ -35,12 +35,12 @@ from torch import nn
 
 from dspark.drafters.checkpoint import (
     copy_frozen_embeddings,
+    load_drafter_weights,
     arch_name,
     check_layer_ids,
     check_target_fit,
     draft_spec_from,
     init_weights,
-    read_checkpoint_state,
     target_base_config,
     write_checkpoint,
 )
@@ -49,7 +49,7 @@ from dspark.modeling.decoder import causal_mask
 from dspark.modeling.kv_cache import KVCache
 from dspark.modeling.layers import MLP, Attention, RMSNorm
 from dspark.modeling.spec import DecoderSpec, spec_from_config
-from dspark.modeling.weights import load_into, read_config
+from dspark.modeling.weights import read_config
 from dspark.training.losses import chunked_soft_cross_entropy, eagle3_step_weight
 from dspark.training.sample import TrainSample
 
@@ -202,14 +202,7 @@ class Eagle3Model(nn.Module):
             num_target_layers = target.num_layers if target is not None else max(config.target_layer_ids) + 1
         base = {k: v for k, v in cfg_dict.items() if k not in _DRAFT_KEYS}
         model = cls(config, spec, base, int(num_target_layers), str(cfg_dict.get("target_model_name_or_path", "")))
-        state = read_checkpoint_state(folder)
-        frozen = ("embed_tokens.", "lm_head.")
-        load_into(model, state, f"Eagle3 drafter {folder}", allow_missing=frozen if target is not None else ())
-        if target is not None and any(f"{p}weight" not in state for p in frozen):
-            model.copy_frozen_from(target)
-        model.embed_tokens.requires_grad_(False)
-        model.lm_head.requires_grad_(False)
-        return model.float()
+        return load_drafter_weights(model, folder, f"Eagle3 drafter {folder}", target)
 
     # ----------------------------------------------------------------- pieces
 
