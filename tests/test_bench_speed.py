@@ -11,13 +11,12 @@ import json
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
 
 from dspark.bench_speed import CallRecord, Method, SpeedConfig, render_markdown, run_speed_bench, summarise, \
     write_outputs
 from dspark.drafters.draft_lm_model import DraftLMConfig, DraftLMModel
 from dspark.target.model import load_target
-from tests.tiny import tiny_config
+from tests.tiny import tiny_config, save_word_tokenizer
 
 
 def _method(name: str, family: str = "ours", k: int | None = None) -> Method:
@@ -68,12 +67,7 @@ def _tiny_hf_target(folder):
             p.normal_(0.0, 0.3)
         model.lm_head.weight.mul_(4.0)
     model.save_pretrained(folder, safe_serialization=True)
-    vocab = {f"w{i}": i for i in range(cfg["vocab_size"] - 1)} | {"[UNK]": cfg["vocab_size"] - 1}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
-                                                              "unk_token": "[UNK]"}))
+    save_word_tokenizer(folder, cfg["vocab_size"])
     return load_target(str(folder))
 
 

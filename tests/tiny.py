@@ -43,3 +43,18 @@ def save_hf_folder(path: Path, cfg: dict, seed: int = 0) -> Path:
     model = AutoModelForCausalLM.from_config(config)
     model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+def save_word_tokenizer(folder: Path, vocab_size: int) -> Path:
+    """A word-level tokenizer with ``vocab_size`` entries (w0, w1, ..., [UNK]) saved into an HF folder."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(vocab_size - 1)} | {"[UNK]": vocab_size - 1}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(Path(folder) / "tokenizer.json"))
+    (Path(folder) / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "[UNK]"}))
+    return Path(folder)

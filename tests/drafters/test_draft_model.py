@@ -1,13 +1,11 @@
 """Independent draft models: tokenizer / vocabulary mismatch is a clear error."""
 
-import json
 
 import pytest
-from tokenizers import Tokenizer, models, pre_tokenizers
 
 from dspark.drafters.draft_model import load_draft_model
 from dspark.errors import IncompatibleModelsError
-from tests.tiny import save_hf_folder, tiny_config
+from tests.tiny import save_hf_folder, save_word_tokenizer, tiny_config
 
 
 def test_vocab_mismatch_without_tokenizer(tmp_path, tiny):
@@ -25,10 +23,6 @@ def test_same_vocab_loads(tmp_path, tiny):
 @pytest.mark.slow
 def test_tokenizer_mismatch_with_smollm2(tmp_path, smollm2):
     folder = save_hf_folder(tmp_path / "draft", tiny_config(vocab_size=smollm2.vocab_size))
-    vocab = {f"w{i}": i for i in range(100)} | {"[UNK]": 100}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+    save_word_tokenizer(folder, 101)
     with pytest.raises(IncompatibleModelsError, match="tokenizer"):
         load_draft_model(str(folder), smollm2)

@@ -11,7 +11,6 @@ import json
 import pytest
 import torch
 from safetensors import safe_open
-from tokenizers import Tokenizer, models, pre_tokenizers
 
 from dspark.drafters.draft_lm_model import CONFIG_KEY, DraftLMConfig, DraftLMModel, saved_block_size
 from dspark.drafters.draft_model import DraftModelDrafter, load_draft_model
@@ -24,19 +23,14 @@ from dspark.training.config import TrainConfig, TrainConfigError, load_config
 from dspark.training.features import build_feature_cache
 from dspark.training.sample import make_train_sample
 from dspark.training.trainer import train
-from tests.tiny import save_hf_folder, tiny_config, tiny_target
+from tests.tiny import save_hf_folder, tiny_config, tiny_target, save_word_tokenizer
 
 
 def hf_target(folder, **overrides):
     """A tiny HF Llama folder with a word-level tokenizer of the model's 96 tokens, loaded as our target."""
     cfg = tiny_config(**overrides)
     save_hf_folder(folder, cfg)
-    vocab = {f"w{i}": i for i in range(cfg["vocab_size"] - 1)} | {"[UNK]": cfg["vocab_size"] - 1}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
-                                                              "unk_token": "[UNK]"}))
+    save_word_tokenizer(folder, cfg["vocab_size"])
     return load_target(str(folder))
 
 
