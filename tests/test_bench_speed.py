@@ -94,3 +94,15 @@ def test_tiny_end_to_end_greedy_rows_equal_hf_generate(tmp_path):
     assert "dspark bench speed --test" in doc and "| ours-draft-lm | 3 |" in doc and "ideal ×" in doc
     again = render_markdown(json.loads(paths[0].read_text()))  # --from-json renders the same tables
     assert again == (tmp_path / "out" / "speed.md").read_text()
+
+
+def test_compile_twins_are_timed_in_the_same_run_and_stay_lossless(tmp_path):
+    target = _tiny_hf_target(tmp_path / "target")
+    del target
+    cfg = SpeedConfig(target=str(tmp_path / "target"), sets=["gsm8k"], per_set=2, max_new_tokens=8,
+                      temperatures=[0.0], warmup_tokens=2, max_prompt_tokens=400, include_hf=False, compile=True)
+    result = run_speed_bench(cfg, "dspark bench speed --compile", log=lambda msg: None)
+    rows = {r["key"]: r for r in result["rows"]}
+    assert set(rows) == {"ours-plain", "ours-prompt-lookup@k7", "ours-plain+compile"}
+    assert rows["ours-plain+compile"]["greedy_match"] == [2, 2]  # against ours-plain (no HF rows)
+    assert "torch.compile'd target" in render_markdown(result)

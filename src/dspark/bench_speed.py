@@ -82,6 +82,10 @@ class SpeedConfig:
     prompt_lookup_tokens: int = 7
     include_hf: bool = True
     warmup_tokens: int = 16
+    dtype: str = "float32"  # target, drafters and the HF models
+    compile: bool = False  # add "+compile" twins of ours-plain and every --drafter row (torch.compile'd target)
+    head_top_m: list[int] | None = None  # DSpark rows at each M too (--head-top-m); None: the full head only
+    draft_vocab: str | None = None  # DSpark/DFlash rows with this draft vocabulary too (and the last M, if any)
 
 
 # ---------------------------------------------------------------- machine and memory
@@ -297,12 +301,13 @@ def hf_method(name: str, model, target, block_size: int | None = None, note: str
     return Method(name, "hf", block_size, run, _module_mib(assistant), note)
 
 
-def build_methods(target, cfg: SpeedConfig, log=print) -> list[Method]:
-    """Every row the config asks for, models loaded once."""
-    import torch
-
+def build_methods(target, cfg: SpeedConfig, log=print, compiled_target=None) -> list[Method]:
+    """Every row the config asks for, models loaded once. ``compiled_target``: the same target, compiled."""
     from dspark.drafters.base import NoDrafter
     from dspark.drafters.registry import load_drafter
+    from dspark.options import torch_dtype
+
+    dtype = torch_dtype(cfg.dtype)
 
     methods: list[Method] = []
     draft_lm_k = None
@@ -316,13 +321,13 @@ def build_methods(target, cfg: SpeedConfig, log=print) -> list[Method]:
         if target.path is None:
             raise DSparkError("the HF rows need the target as a model folder; pass --no-hf for a target without one")
         log(f"[speed] loading the HF model from {target.path}")
-        hf = AutoModelForCausalLM.from_pretrained(str(target.path), dtype=torch.float32).eval()
+        hf = AutoModelForCausalLM.from_pretrained(str(target.path), dtype=dtype).eval()
         methods.append(hf_method(HF_PLAIN, hf, target))
         k = cfg.prompt_lookup_tokens
         methods.append(hf_method("hf-prompt-lookup", hf, target, k, f"prompt_lookup_num_tokens={k}",
                                  prompt_lookup_num_tokens=k))
         if cfg.draft_lm:
-            assistant = AutoModelForCausalLM.from_pretrained(cfg.draft_lm, dtype=torch.float32).eval()
+            assistant = AutoModelForCausalLM.from_pretrained(cfg.draft_lm, dtype=dtype).eval()
             assistant.generation_config.num_assistant_tokens = draft_lm_k
             assistant.generation_config.num_assistant_tokens_schedule = "constant"
             threshold = assistant.generation_config.assistant_confidence_threshold
@@ -335,7 +340,8 @@ def build_methods(target, cfg: SpeedConfig, log=print) -> list[Method]:
                 "hf-assisted", hf, target, draft_lm_k,
                 f"num_assistant_tokens={draft_lm_k}, constant schedule, assistant_confidence_threshold={threshold}",
                 assistant_model=assistant))
-    methods.append(ours_method(OURS_PLAIN, target, NoDrafter(target.vocab_size)))
+    twins = [(OURS_PLAIN, NoDrafter(target.vocab_size))]  # rows that get a "+compile" twin
+    methods.append(ours_method(OURS_PLAIN, target, twins[0][1]))
     methods.append(ours_method("ours-prompt-lookup", target, load_drafter("prompt-lookup", target,
                                                                            cfg.prompt_lookup_tokens)))
     if cfg.draft_lm:
@@ -349,10 +355,34 @@ def build_methods(target, cfg: SpeedConfig, log=print) -> list[Method]:
                 continue
             drafter = own if k == own.block_size else load_drafter(path, target, k)
             methods.append(ours_method(f"ours-{name}", target, drafter))
+            twins.append((f"ours-{name}", drafter))
+            for suffix, m, vocab, note in _variants(own, cfg):
+                fast = load_drafter(path, target, k, m, vocab)
+                methods.append(ours_method(f"ours-{name}{suffix}", target, fast, note))
+                twins.append((f"ours-{name}{suffix}", fast))
+    if compiled_target is not None:  # drafters read no target weights while drafting: shared with the twin
+        methods += [ours_method(f"{name}+compile", compiled_target, drafter) for name, drafter in twins]
     names = [(m.name, m.block_size) for m in methods]
     if len(set(names)) != len(names):
         raise DSparkError("two rows share a name and block size; give each --drafter a distinct NAME")
     return methods
+
+
+def _variants(drafter, cfg: SpeedConfig) -> list[tuple[str, int | None, str | None, str]]:
+    """(row suffix, head_top_m, draft_vocab, note) of the cheaper-drafting rows a drafter gets."""
+    if not hasattr(drafter, "draft_vocab"):  # not a DSpark/DFlash drafter
+        return []
+    has_head = drafter.model.markov_head is not None
+    tops = (cfg.head_top_m or []) if has_head else []
+    out = [(f"-top{m}", m, None, f"sequential head over the top {m} tokens of U_k (--head-top-m)") for m in tops]
+    if cfg.draft_vocab:
+        from dspark.drafters.draft_vocab import load_draft_vocab
+
+        n = len(load_draft_vocab(cfg.draft_vocab, drafter.vocab_size))
+        m = tops[-1] if tops else None
+        out.append(((f"-top{m}" if m else "") + f"-vocab{n}", m, cfg.draft_vocab,
+                    f"drafts only the {n} tokens of --draft-vocab" + (f", head over the top {m}" if m else "")))
+    return out
 
 
 # ---------------------------------------------------------------- measuring
@@ -533,7 +563,9 @@ def render_markdown(result: dict[str, Any], title: str = "Decoding speed", raw_j
         f"# {title}", "",
         f"Reproduce: `{result['command']}`" if result.get("command") else "", "",
         f"Target `{cfg['target']}`; {result['num_prompts']} prompt(s) ({cfg['per_set']} from each of {sets}; first "
-        f"turn through the chat template), batch size 1, up to {cfg['max_new_tokens']} new tokens, float32.",
+        f"turn through the chat template), batch size 1, up to {cfg['max_new_tokens']} new tokens, "
+        f"{cfg.get('dtype', 'float32')}" + (" (HF rows too)" if cfg.get("dtype", "float32") != "float32" else "")
+        + ("; '+compile' rows use a torch.compile'd target" if cfg.get("compile") else "") + ".",
         f"Machine: {mach.get('cpu_model') or mach.get('machine')}, {mach.get('cpu_count')} CPUs, "
         f"{mach.get('memory_gib')} GiB; {mach.get('torch_threads')} torch threads; {mach.get('platform')}; "
         f"Python {mach.get('python')}, torch {mach.get('torch')}, transformers {mach.get('transformers')}"
@@ -579,14 +611,22 @@ def write_outputs(result: dict[str, Any], out_dir: str | Path, doc: str | None) 
 
 def run_speed_bench(cfg: SpeedConfig, command: str = "", log=print) -> dict[str, Any]:
     from dspark.target.model import load_target
+    from dspark.options import torch_dtype
 
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     t0 = time.perf_counter()
-    target = load_target(cfg.target)
+    target = load_target(cfg.target, dtype=torch_dtype(cfg.dtype), fuse=True)
     if target.tokenizer is None:
         raise DSparkError(f"{cfg.target} has no tokenizer; the speed benchmark encodes text prompts")
     prompts = select_prompts(target, cfg)
-    methods = build_methods(target, cfg, log)
+    compiled = None
+    if cfg.compile:
+        from dspark.modeling.compile import compile_decoder
+
+        compiled = load_target(cfg.target, dtype=torch_dtype(cfg.dtype), tokenizer=False, fuse=True)
+        compile_decoder(compiled.model)
+        log("[speed] compiled twin of the target: its first (warm-up) calls compile")
+    methods = build_methods(target, cfg, log, compiled)
     log(f"[speed] {len(prompts)} prompts x {len(methods)} methods x {len(cfg.temperatures)} temperatures")
     machine = machine_info()  # before measuring: the load average says how busy the machine was
     probe = MemoryProbe()
@@ -671,6 +711,17 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt-lookup-tokens", type=int, default=7,
                    help="tokens proposed by prompt lookup, HF's and ours (default: %(default)s)")
     p.add_argument("--no-hf", dest="include_hf", action="store_false", help="skip the transformers rows")
+    p.add_argument("--head-top-m", type=_positive_ints, default=None, metavar="M[,M...]",
+                   help="also time every DSpark --drafter with its head restricted to the top M base tokens "
+                   "(rows '<name>-topM'; see `dspark generate --help`)")
+    p.add_argument("--draft-vocab", default=None, metavar="FILE",
+                   help="also time every DSpark/DFlash --drafter drafting only this `dspark data vocab` file's "
+                   "tokens (with the last --head-top-m, if given)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="dtype of the target, the drafters and the HF models (default: %(default)s)")
+    p.add_argument("--compile", action="store_true",
+                   help="also time ours-plain and every --drafter row with a torch.compile'd target (rows named "
+                   "'+compile', measured in the same run)")
     p.add_argument("--warmup-tokens", type=int, default=16, help="tokens of the warm-up call (default: %(default)s)")
     p.add_argument("--threads", type=int, default=argparse.SUPPRESS,
                    help="torch CPU threads (default: the global --threads, else torch's choice)")
@@ -710,7 +761,8 @@ def _bench_speed(args: argparse.Namespace) -> int:
             max_prompt_tokens=args.max_prompt_tokens, draft_lm=args.draft_lm,
             draft_lm_block_size=args.draft_lm_block_size, drafters=args.drafters, block_sizes=args.block_sizes,
             prompt_lookup_tokens=args.prompt_lookup_tokens, include_hf=args.include_hf,
-            warmup_tokens=args.warmup_tokens,
+            warmup_tokens=args.warmup_tokens, dtype=args.dtype, compile=args.compile, head_top_m=args.head_top_m,
+            draft_vocab=args.draft_vocab,
         )
         result = run_speed_bench(cfg, _command_line(), lambda msg: print(msg, file=sys.stderr, flush=True))
     paths = write_outputs(result, args.out_dir, args.doc or None)

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from dspark.target.presets import DEFAULT_TARGET, dspark_home
+from dspark.options import add_drafter_options, add_target_options, load_target_from_args
 
 DEMO_SETS = ("gsm8k", "humaneval", "mt-bench")
 
@@ -26,7 +27,9 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         "--train-minutes. Then decodes a few evaluation prompts (greedy) and prints a table.",
     )
     p.add_argument("--target", default=DEFAULT_TARGET, help="preset or HF folder (default: %(default)s)")
+    add_target_options(p)
     p.add_argument("--drafter", default=None, help="a DSpark checkpoint folder to use instead of finding/training one")
+    add_drafter_options(p)
     p.add_argument("--work-dir", default=None, help="where demo data and the demo drafter go (default: $DSPARK_HOME/demo)")
     p.add_argument("--train-minutes", type=float, default=5.0, help="training time for a new demo drafter (default: %(default)s)")
     p.add_argument("--num-train-prompts", type=int, default=96, help="prompts regenerated for training (default: %(default)s)")
@@ -83,10 +86,9 @@ def run_demo(args: argparse.Namespace) -> int:
     from dspark.evaluation.datasets import load_eval_dataset
     from dspark.generation.generator import SpeculativeGenerator
     from dspark.sampling.processing import SamplingParams
-    from dspark.target.model import load_target
 
     t_start = time.perf_counter()
-    target = load_target(args.target)
+    target = load_target_from_args(args)
     print(f"[demo] target {args.target}: {target.num_layers} layers, vocab {target.vocab_size} ({target.path})")
     work = Path(args.work_dir) if args.work_dir else dspark_home() / "demo"
     ckpt = _find_drafter(args, work)
@@ -96,7 +98,7 @@ def run_demo(args: argparse.Namespace) -> int:
     drafters = {
         "plain (no drafter)": NoDrafter(target.vocab_size),
         "prompt lookup": PromptLookupDrafter(target.vocab_size, 7),
-        "DSpark": load_drafter(str(ckpt), target),
+        "DSpark": load_drafter(str(ckpt), target, None, args.head_top_m, args.draft_vocab),
     }
     prompts = []
     for name in DEMO_SETS:

@@ -321,3 +321,43 @@ def test_forward_is_training_loss_and_config_round_trips(tiny):
     b, _ = model.training_loss(sample, torch.Generator().manual_seed(1))
     assert a.item() == b.item()
     assert DSparkConfig.from_dict(model.config.to_dict()) == model.config
+
+
+# --------------------------------------------------------------------------- head restricted to top-M candidates
+
+
+@pytest.mark.parametrize("variant", ["dspark", "dspark-rnn"])
+def test_head_step_with_candidates_is_the_full_step_restricted(tiny, variant):
+    model = VARIANTS[variant](tiny)
+    N, V = 3, tiny.vocab_size
+    torch.manual_seed(0)
+    hidden, prev = torch.randn(N, model.spec.hidden_size), torch.randint(0, V, (N,))
+    base = model.base_logits(hidden)
+    _, full, _ = model.head_step(None, hidden, prev, base)
+    everything = torch.arange(V).expand(N, V)
+    _, same, _ = model.head_step(None, hidden, prev, base, everything)
+    torch.testing.assert_close(same, full)
+    cand = base.topk(5, dim=-1).indices  # (N, 5)
+    _, part, _ = model.head_step(None, hidden, prev, base, cand)
+    torch.testing.assert_close(part.gather(-1, cand), full.gather(-1, cand))
+    outside = torch.ones(N, V, dtype=torch.bool).scatter_(-1, cand, False)
+    assert torch.isinf(part[outside]).all() and (part[outside] < 0).all()
+
+
+@pytest.mark.parametrize("variant", ["dspark", "dspark-rnn", "dflash"])
+def test_head_top_m_drafts_stay_lossless_and_inside_the_top_m(tiny, variant):
+    prompts = [random_tokens(6, seed=13), random_tokens(11, seed=14)]
+    sp = SamplingParams(temperature=0.0, max_new_tokens=24)
+    plain = SpeculativeGenerator(tiny, NoDrafter(tiny.vocab_size)).generate(prompts, sp)
+    model = VARIANTS[variant](tiny)
+    overfit_on_greedy(tiny, model, prompts[0])
+    drafter = DSparkDrafter(model, head_top_m=3)
+    assert drafter.head_top_m == (None if variant == "dflash" else 3)  # DFlash has no head to restrict
+    fast = SpeculativeGenerator(tiny, drafter).generate(prompts, sp)
+    assert [r.output_ids for r in fast] == [r.output_ids for r in plain]
+    req = request_after(tiny, prompts[1], LAYER_IDS, SamplingParams(temperature=1.0, seed=4))
+    block = drafter.propose([req], [model.config.block_size])
+    support = (block.draft_probs[0] > 0).sum(-1)  # (G,)
+    assert (support <= 3).all() if variant != "dflash" else (support == tiny.vocab_size).all()
+    with pytest.raises(ValueError, match="head_top_m"):
+        DSparkDrafter(model, head_top_m=0)

@@ -71,7 +71,7 @@ def test_eval_end_to_end_and_resume(chat_target, tmp_path, capsys):
 
 def test_calibrate_end_to_end(chat_target, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr("dspark.drafters.registry.load_drafter",
-                        lambda spec, target, block_size=None: OracleConfidenceDrafter(target, block_size=3))
+                        lambda spec, target, block_size=None, head_top_m=None, draft_vocab=None: OracleConfidenceDrafter(target, block_size=3))
     out = tmp_path / "cal"
 
     def argv(datasets: str = "gsm8k") -> list[str]:

@@ -29,14 +29,25 @@ from dspark.sampling.processing import logits_to_probs, sample_from_probs
 
 
 class DSparkDrafter:
-    def __init__(self, model: DSparkModel, block_size: int | None = None) -> None:
+    def __init__(self, model: DSparkModel, block_size: int | None = None, head_top_m: int | None = None,
+                 draft_vocab: list[int] | None = None) -> None:
         trained = model.config.block_size
         if block_size is not None and not 1 <= block_size <= trained:
             raise ValueError(
                 f"block size {block_size} is not possible with this drafter: it was trained with block_size "
                 f"{trained}, so it can propose 1..{trained} tokens per step"
             )
+        if head_top_m is not None and head_top_m < 1:
+            raise ValueError(f"head_top_m must be >= 1 (or None for the full vocabulary), got {head_top_m}")
         self.model = model  # not switched to eval/frozen: a trainer may wrap its live model (no dropout here)
+        # the sequential head drafts among the top M tokens of U_k (None = all V; see DSparkModel.head_step)
+        self.head_top_m = head_top_m if model.markov_head is not None else None
+        # draft only these token ids (dspark.drafters.draft_vocab): U_k on their LM-head rows, -inf elsewhere
+        self.draft_vocab = self.vocab_rows = None
+        if draft_vocab is not None:
+            w = model.lm_head.weight
+            self.draft_vocab = torch.as_tensor(draft_vocab, dtype=torch.long, device=w.device)  # (S,)
+            self.vocab_rows = w.detach()[self.draft_vocab].contiguous()  # (S, H): follows the model's dtype now
         self.block_size = block_size or trained
         self.target_layer_ids = model.target_layer_ids
         self.vocab_size = model.spec.vocab_size
@@ -101,10 +112,11 @@ class DSparkDrafter:
         hidden = m.backbone(x, torch.cat(positions), groups).view(R, G, -1)  # (R, G, H)
 
         prev = torch.tensor([req.anchor for req in requests], dtype=torch.long, device=dev)  # x_{-1} = anchor
-        base = m.base_logits(hidden[:, :K])  # (R, K, V) U_k of every slot in one matmul: U does not depend on x_<k
+        base, cand = self._base_logits(hidden[:, :K].reshape(R * K, -1), R, K)  # (R, K, V), (R, K, M) or None
         state = None
         for k in range(K):
-            state, logits, conf = m.head_step(state, hidden[:, k], prev, base[:, k])  # (R, V), (R,)
+            state, logits, conf = m.head_step(state, hidden[:, k], prev, base[:, k],
+                                              None if cand is None else cand[:, k])  # (R, V), (R,)
             if conf_logits is not None:
                 conf_logits[:, k] = conf
             nxt = prev.clone()
@@ -120,15 +132,32 @@ class DSparkDrafter:
             conf_logits *= torch.arange(K, device=dev)[None, :] < num_tokens[:, None]
         return DraftBlock(tokens, num_tokens, draft_probs, conf_logits)
 
+    def _base_logits(self, hidden: torch.Tensor, R: int, K: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """U_k of every slot in one 2-D matmul (U does not depend on x_<k; a 3-D input would copy the LM head),
+        and the candidate tokens of the sequential head: (R*K, H) -> (R, K, V), (R, K, M) or None = all V."""
+        m, top_m = self.model, self.head_top_m
+        if self.draft_vocab is None:
+            base = m.base_logits(hidden).view(R, K, -1)  # (R, K, V)
+            return base, (base.topk(min(top_m, base.shape[-1]), dim=-1).indices if top_m else None)
+        sub = m.base_logits(hidden, self.vocab_rows).view(R, K, -1)  # (R, K, S)
+        if top_m and top_m < sub.shape[-1]:
+            sub, idx = sub.topk(top_m, dim=-1)  # (R, K, M)
+            cand = self.draft_vocab[idx]
+        else:
+            cand = self.draft_vocab.expand(R, K, -1)  # (R, K, S)
+        base = sub.new_full((R, K, self.vocab_size), float("-inf")).scatter_(-1, cand, sub)
+        return base, (cand if m.markov_head is not None else None)
 
-def load_dspark_drafter(path: str | Path, target, block_size: int | None = None) -> DSparkDrafter:
+
+def load_dspark_drafter(path: str | Path, target, block_size: int | None = None,
+                        head_top_m: int | None = None, draft_vocab: list[int] | None = None) -> DSparkDrafter:
     """Load a DSpark or DFlash checkpoint (DeepSpec layout) as a drafter for ``target``.
 
     ``block_size`` None = the checkpoint's; smaller values propose fewer tokens per step
-    (the trained block still runs in full).
+    (the trained block still runs in full). ``head_top_m``: see ``DSparkDrafter``.
     """
     model = DSparkModel.from_checkpoint(Path(path), target)
-    return DSparkDrafter(model.to(target.model.lm_head.weight.dtype), block_size)
+    return DSparkDrafter(model.to(target.model.lm_head.weight.dtype), block_size, head_top_m, draft_vocab)
 
 
 def save_dspark_checkpoint(model: DSparkModel, folder: str | Path, dtype: torch.dtype = torch.float32) -> None:

@@ -33,6 +33,7 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from dspark.drafters.checkpoint import (
     copy_frozen_embeddings,
@@ -200,6 +201,11 @@ class MarkovHead(nn.Module):
     def bias(self, latent: torch.Tensor) -> torch.Tensor:  # (..., r) -> (..., V)
         return self.markov_w2(latent)
 
+    def bias_at(self, latent: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+        """B_k at some tokens only: (N, r), (N, M) token ids -> (N, M). Reads M rows of W2 instead of all V."""
+        rows = self.markov_w2.weight[candidates]  # (N, M, r)
+        return (rows @ latent.to(rows.dtype)[:, :, None])[..., 0]  # (N, M)
+
 
 class ConfidenceHead(nn.Module):
     """DeepSpec's ``AcceptRatePredictor``: one linear unit, eq. (7)."""
@@ -346,8 +352,9 @@ class DSparkModel(nn.Module):
             x = layer.mlp_residual(x)
         return self.norm(x)
 
-    def base_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (..., H) -> (..., V) U_k
-        out = self.lm_head(hidden)
+    def base_logits(self, hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """U_k: (..., H) -> (..., V); with ``rows`` (S, H), some rows of the LM head, -> (..., S) for those only."""
+        out = self.lm_head(hidden) if rows is None else F.linear(hidden, rows)
         if self.spec.final_softcap:
             out = torch.tanh(out / self.spec.final_softcap) * self.spec.final_softcap
         return out
@@ -374,15 +381,27 @@ class DSparkModel(nn.Module):
         hidden: torch.Tensor,  # (N, H) h_k
         prev: torch.Tensor,  # (N,) x_{k-1}
         base: torch.Tensor | None = None,  # (N, V) U_k when the caller computed it already
+        candidates: torch.Tensor | None = None,  # (N, M) token ids: add B_k there only, -inf elsewhere
     ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:  # state, logits (N, V), confidence (N,)
-        """One left-to-right step of the sequential head (inference), eq. (4)."""
+        """One left-to-right step of the sequential head (inference), eq. (4).
+
+        With ``candidates`` the step drafts from the M tokens given (in practice the top M of U_k): their
+        logits are U_k + B_k exactly, every other token gets -inf. That is a different draft distribution,
+        not an approximation the verifier has to know about: the returned logits are what is sampled from
+        and reported, so rejection sampling stays lossless. It skips the V x r product of the head.
+        """
         latent = None
         if self.markov_head is not None:
             state, latent = self.markov_head.step(state, hidden, prev)
         if base is None:
-            logits = self.draft_logits(hidden, latent)
+            base = self.base_logits(hidden)
+        if latent is None:
+            logits = base
+        elif candidates is None:
+            logits = base + self.markov_head.bias(latent).to(base.dtype)
         else:
-            logits = base if latent is None else base + self.markov_head.bias(latent).to(base.dtype)
+            picked = base.gather(-1, candidates) + self.markov_head.bias_at(latent, candidates).to(base.dtype)
+            logits = torch.full_like(base, float("-inf")).scatter_(-1, candidates, picked)
         return state, logits, self.confidence_logits(hidden, prev)
 
     # ----------------------------------------------------------------- training

@@ -17,6 +17,7 @@ from dspark.modeling.weights import read_config
 BUILTIN = ("none", "prompt-lookup")
 
 
+
 def drafter_kind(path: Path) -> str:
     """'dspark' (incl. DFlash, which is DSpark without heads), 'eagle3' or 'draft-model'."""
     arch = (read_config(path).get("architectures") or [""])[0]
@@ -27,7 +28,11 @@ def drafter_kind(path: Path) -> str:
     return "draft-model"
 
 
-def load_drafter(spec: str, target, block_size: int | None = None) -> Drafter:
+def load_drafter(spec: str, target, block_size: int | None = None, head_top_m: int | None = None,
+                 draft_vocab: str | None = None) -> Drafter:
+    """``head_top_m``: DSpark heads draft among the top M base tokens; ``draft_vocab``: a `dspark data vocab`
+    file, DSpark/DFlash draft only those tokens. Both make drafting cheaper and stay lossless; other drafters
+    ignore them."""
     if spec == "none":
         return NoDrafter(target.vocab_size)
     if spec == "prompt-lookup":
@@ -41,11 +46,14 @@ def load_drafter(spec: str, target, block_size: int | None = None) -> Drafter:
     if kind == "dspark":
         from dspark.drafters.dspark import load_dspark_drafter
 
-        return load_dspark_drafter(path, target, block_size)
+        from dspark.drafters.draft_vocab import load_draft_vocab
+
+        vocab = load_draft_vocab(draft_vocab, target.vocab_size) if draft_vocab else None
+        return load_dspark_drafter(path, target, block_size, head_top_m, vocab)
     if kind == "eagle3":
         from dspark.drafters.eagle3 import load_eagle3_drafter
 
         return load_eagle3_drafter(path, target, block_size)
     from dspark.drafters.draft_model import load_draft_model
 
-    return load_draft_model(str(path), target, block_size or 4)
+    return load_draft_model(str(path), target, block_size or 4, target.model.lm_head.weight.dtype)

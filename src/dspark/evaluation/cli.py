@@ -15,6 +15,7 @@ from pathlib import Path
 
 from dspark.errors import DSparkError
 from dspark.evaluation.datasets import DEFAULT_SEED, EvalDataset
+from dspark.options import add_drafter_options, add_target_options, load_target_from_args
 
 DEFAULT_MAX_NEW_TOKENS = 2048  # DeepSpec's evaluator
 
@@ -39,7 +40,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     from dspark.target.presets import DEFAULT_TARGET
 
     p.add_argument("--target", default=DEFAULT_TARGET, help="target preset or HF folder (default: %(default)s)")
+    add_target_options(p)
     p.add_argument("--block-size", type=int, default=None, help="draft tokens per step (default: the drafter's)")
+    add_drafter_options(p)
     p.add_argument("--datasets", default=None,
                    help="comma-separated benchmarks (gsm8k, math500, aime25, mbpp, humaneval, livecodebench, "
                    "mt-bench, arena-hard-v2), domains (math, code, chat) or 'all'")
@@ -139,9 +142,7 @@ def heldout_datasets(args: argparse.Namespace) -> tuple[list[EvalDataset], str]:
 
 
 def _load(args: argparse.Namespace):
-    from dspark.target.model import load_target
-
-    return load_target(args.target)
+    return load_target_from_args(args)
 
 
 # --------------------------------------------------------------------------- commands
@@ -167,7 +168,7 @@ def _eval(args: argparse.Namespace) -> int:
     thresholds = parse_thresholds(args.sweep_thresholds) if args.sweep_thresholds else None
     datasets = eval_datasets(args)
     target = _load(args)
-    drafters = {name: load_drafter(spec, target, args.block_size) for name, spec in named}
+    drafters = {name: load_drafter(spec, target, args.block_size, args.head_top_m, args.draft_vocab) for name, spec in named}
     temperatures = {n: load_sts_json(path, drafters[n].block_size) for n, path in sts_files.items()}
     progress = not args.no_progress
     out = Path(args.out)
@@ -201,7 +202,7 @@ def _calibrate(args: argparse.Namespace) -> int:
 
     datasets, heldout = heldout_datasets(args)
     target = _load(args)
-    drafter = load_drafter(args.drafter, target, args.block_size)
+    drafter = load_drafter(args.drafter, target, args.block_size, args.head_top_m, args.draft_vocab)
     name = args.name or parse_named(args.drafter, "--drafter")[0]
     report = calibrate(
         target, drafter, datasets, args.out, temperature=args.temperature, max_new_tokens=args.max_new_tokens,

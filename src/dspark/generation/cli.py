@@ -6,6 +6,7 @@ import argparse
 import json
 import time
 
+from dspark.options import add_drafter_options, add_target_options, load_target_from_args
 from dspark.target.presets import DEFAULT_TARGET
 
 
@@ -24,10 +25,12 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         "the target's own greedy output token for token; sampled output follows the target's distribution.",
     )
     p.add_argument("--target", default=DEFAULT_TARGET, help="preset or HF folder (default: %(default)s)")
+    add_target_options(p)
     p.add_argument("--drafter", default="prompt-lookup",
                    help="none | prompt-lookup | a DSpark/DFlash/Eagle3 checkpoint folder | an HF causal-LM folder "
                    "(independent draft model) (default: %(default)s)")
     p.add_argument("--block-size", type=int, default=None, help="draft tokens per step (default: the drafter's)")
+    add_drafter_options(p)
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--chat", help="a user message, rendered with the target's chat template")
     g.add_argument("--prompt", help="raw text prompt, no chat template")
@@ -51,10 +54,9 @@ def _generate(args: argparse.Namespace) -> int:
     from dspark.drafters.base import NoDrafter
     from dspark.drafters.registry import load_drafter
     from dspark.sampling.processing import SamplingParams
-    from dspark.target.model import load_target
 
-    target = load_target(args.target)
-    drafter = load_drafter(args.drafter, target, args.block_size)
+    target = load_target_from_args(args)
+    drafter = load_drafter(args.drafter, target, args.block_size, args.head_top_m, args.draft_vocab)
     prompt_ids = target.encode_chat(args.chat) if args.chat is not None else target.encode_text(args.prompt)
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.max_new_tokens, args.seed)
     target.check_prompt(prompt_ids, args.max_new_tokens)

@@ -65,9 +65,7 @@ class Decoder(nn.Module):
         want = set(capture_layers or ())
         for layer_idx, layer in enumerate(self.layers):
             attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = attn.project_q(h, positions)  # (N, Hq, D)
-            k, v = attn.project_kv(h, positions)  # (N, Hkv, D)
+            q, k, v = layer.pre_attention(x, positions)  # (N, Hq, D), (N, Hkv, D) x2
             outs, offset = [], 0
             for r, n in enumerate(seq_lens):
                 q_r = q[offset : offset + n].transpose(0, 1)  # (Hq, n, D)
@@ -83,8 +81,7 @@ class Decoder(nn.Module):
                 mask = causal_mask(positions[offset : offset + n], k_r.shape[1], attn.window)
                 outs.append(attn.attend(q_r, k_r, v_r, mask))
                 offset += n
-            x = layer.attn_residual(x, torch.cat(outs) if len(outs) > 1 else outs[0])
-            x = layer.mlp_residual(x)
+            x = layer.post_attention(x, torch.cat(outs) if len(outs) > 1 else outs[0])
             if layer_idx in want:
                 captured[layer_idx] = x
         if caches is not None:

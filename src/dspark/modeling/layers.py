@@ -81,8 +81,12 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(h, m, bias=bias)
         self.down_proj = nn.Linear(m, h, bias=bias)
         self.act = _ACT[spec.hidden_act]
+        self.gate_up_proj: nn.Linear | None = None  # set by fuse_projections (inference)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (N, H)
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (N, M) each
+            return self.down_proj(self.act(gate) * up)
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -106,16 +110,34 @@ class Attention(nn.Module):
         self.softcap = spec.attn_softcap
         self.window = spec.window_for(layer_idx)
         self.register_buffer("inv_freq", rope_inv_freq(spec.rope_for(layer_idx), d), persistent=False)
+        self.qkv_proj: nn.Linear | None = None  # set by fuse_projections (inference)
 
     def project_q(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # (N, Hq, D)
-        q = self.q_proj(x).view(x.shape[0], self.num_heads, self.head_dim)
+        return self._finish_q(self.q_proj(x), positions)
+
+    def project_kv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._finish_kv(self.k_proj(x), self.v_proj(x), positions)
+
+    def project_qkv(
+        self, x: torch.Tensor, positions: torch.Tensor  # (N, H), (N,)
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # q (N, Hq, D), k and v (N, Hkv, D)
+        if self.qkv_proj is None:
+            return (self.project_q(x, positions), *self.project_kv(x, positions))
+        kv = self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split([self.num_heads * self.head_dim, kv, kv], dim=-1)
+        return (self._finish_q(q, positions), *self._finish_kv(k, v, positions))
+
+    def _finish_q(self, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # (N, Hq*D) -> (N, Hq, D)
+        q = q.reshape(q.shape[0], self.num_heads, self.head_dim)
         if self.q_norm is not None:
             q = self.q_norm(q)
         return apply_rope(q, positions, self.inv_freq)
 
-    def project_kv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        k = self.k_proj(x).view(x.shape[0], self.num_kv_heads, self.head_dim)  # (N, Hkv, D)
-        v = self.v_proj(x).view(x.shape[0], self.num_kv_heads, self.head_dim)  # (N, Hkv, D)
+    def _finish_kv(
+        self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor  # (N, Hkv*D) x2
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (N, Hkv, D) x2
+        k = k.reshape(k.shape[0], self.num_kv_heads, self.head_dim)
+        v = v.reshape(v.shape[0], self.num_kv_heads, self.head_dim)
         if self.k_norm is not None:
             k = self.k_norm(k)
         return apply_rope(k, positions, self.inv_freq), v
@@ -159,6 +181,16 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(spec.hidden_size, eps, off)
             self.post_feedforward_layernorm = RMSNorm(spec.hidden_size, eps, off)
 
+    def pre_attention(
+        self, x: torch.Tensor, positions: torch.Tensor  # (N, H), (N,)
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # q (N, Hq, D), k and v (N, Hkv, D)
+        """Norm, projections and RoPE: the dense part before attention (what ``--compile`` compiles)."""
+        return self.self_attn.project_qkv(self.input_layernorm(x), positions)
+
+    def post_attention(self, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:  # (N, H), (N, Hq*D)
+        """Output projection, both residual branches and the MLP: the dense part after attention."""
+        return self.mlp_residual(self.attn_residual(x, attn_out))
+
     def attn_residual(self, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """Add the attention branch (after o_proj) to the residual stream."""
         branch = self.self_attn.o_proj(attn_out)
@@ -170,3 +202,31 @@ class DecoderLayer(nn.Module):
         if self.sandwich:
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def _fused_linear(parts: list[nn.Linear]) -> nn.Linear:
+    """One Linear whose output is the concatenation of ``parts``' outputs."""
+    w = torch.cat([p.weight for p in parts])
+    fused = nn.Linear(w.shape[1], w.shape[0], bias=parts[0].bias is not None, device=w.device, dtype=w.dtype)
+    with torch.no_grad():
+        fused.weight.copy_(w)
+        if fused.bias is not None:
+            fused.bias.copy_(torch.cat([p.bias for p in parts]))
+    fused.requires_grad_(False)
+    return fused
+
+
+def fuse_projections(layers: nn.ModuleList) -> None:
+    """Inference: q/k/v and gate/up as one matmul each (fewer, larger matmuls are faster on CPU).
+
+    The separate projections are dropped (their weights live on in the fused ones), so a fused model's
+    state_dict no longer has checkpoint names: fuse only models that are not saved or trained.
+    """
+    for layer in layers:
+        a, m = layer.self_attn, layer.mlp
+        if a.qkv_proj is None:
+            a.qkv_proj = _fused_linear([a.q_proj, a.k_proj, a.v_proj])
+            del a.q_proj, a.k_proj, a.v_proj
+        if m.gate_up_proj is None:
+            m.gate_up_proj = _fused_linear([m.gate_proj, m.up_proj])
+            del m.gate_proj, m.up_proj

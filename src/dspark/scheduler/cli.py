@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from dspark.target.presets import DEFAULT_TARGET
+from dspark.options import add_target_options, load_target_from_args
 
 
 def add_cli(sub: argparse._SubParsersAction) -> None:
@@ -18,6 +19,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         "--out sps.json",
     )
     p.add_argument("--target", default=DEFAULT_TARGET, help="preset or HF folder (default: %(default)s)")
+    add_target_options(p)
     p.add_argument("--block-size", type=int, default=7, help="draft tokens per step gamma (default: %(default)s)")
     p.add_argument("--max-requests", type=int, default=16, help="largest batch in requests (default: %(default)s)")
     p.add_argument("--context-len", type=int, default=256,
@@ -36,13 +38,12 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
 
 def _profile(args: argparse.Namespace) -> int:
     from dspark.scheduler.profile import profile_target
-    from dspark.target.model import load_target
 
     if args.threads is not None:
         import torch
 
         torch.set_num_threads(max(1, args.threads))
-    target = load_target(args.target, tokenizer=False)
+    target = load_target_from_args(args, tokenizer=False)
     capture = None
     if args.drafter:
         from dspark.drafters.registry import load_drafter

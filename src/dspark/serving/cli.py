@@ -14,6 +14,7 @@ import sys
 import weakref
 
 from dspark.target.presets import DEFAULT_TARGET
+from dspark.options import add_drafter_options, add_target_options, load_target_from_args
 
 _BENCH_GROUPS: "weakref.WeakKeyDictionary[argparse._SubParsersAction, argparse._SubParsersAction]" = (
     weakref.WeakKeyDictionary()
@@ -50,10 +51,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     from dspark.serving.policy_adapter import POLICY_HELP
 
     p.add_argument("--target", default=DEFAULT_TARGET, help="preset or HF folder (default: %(default)s)")
+    add_target_options(p)
     p.add_argument("--drafter", default="prompt-lookup",
                    help="none | prompt-lookup | a DSpark/DFlash/Eagle3 checkpoint folder | an HF causal-LM folder "
                    "(default: %(default)s)")
     p.add_argument("--block-size", type=int, default=None, help="draft tokens per step (default: the drafter's)")
+    add_drafter_options(p)
     p.add_argument("--sps-table", default=None,
                    help="SGLang-format SPS JSON from `dspark profile`; without it alg1/async profile quickly at start")
     p.add_argument("--sts", default=None, help="STS JSON (per-position confidence temperatures)")
@@ -135,14 +138,13 @@ def _serve(args: argparse.Namespace) -> int:
     from dspark.serving.engine import Engine, EngineConfig
     from dspark.serving.policy_adapter import make_policy, parse_policy
     from dspark.serving.server import ServerConfig, create_app
-    from dspark.target.model import load_target
 
     spec = parse_policy(args.policy)
     _set_threads(args.threads)
-    target = load_target(args.target)
+    target = load_target_from_args(args)
     if target.tokenizer is None:
         raise ModelLoadError(f"{args.target} has no tokenizer; the server needs one to read prompts")
-    drafter = load_drafter(args.drafter, target, args.block_size)
+    drafter = load_drafter(args.drafter, target, args.block_size, args.head_top_m, args.draft_vocab)
     sps = None
     if spec.needs_sps_table:
         sps = load_or_profile(args.sps_table, target, max(drafter.block_size, 1), args.max_batch,

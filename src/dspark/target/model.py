@@ -19,6 +19,7 @@ import torch
 from dspark.errors import ModelLoadError, PromptError
 from dspark.modeling.decoder import CausalLM
 from dspark.modeling.kv_cache import KVCache
+from dspark.modeling.layers import fuse_projections
 from dspark.modeling.spec import DecoderSpec, spec_from_config
 from dspark.modeling.weights import load_into, load_state_dict, read_config
 from dspark.target.convert import resolve_model_path
@@ -179,12 +180,19 @@ def load_tokenizer(folder: Path):
         raise ModelLoadError(f"cannot load the tokenizer from {folder}: {err}") from None
 
 
-def load_target(name_or_path: str, dtype: torch.dtype = torch.float32, tokenizer: bool = True) -> TargetModel:
-    """Load a preset (e.g. ``smollm2-135m``) or a local HF causal-LM folder."""
+def load_target(name_or_path: str, dtype: torch.dtype = torch.float32, tokenizer: bool = True,
+                fuse: bool = False) -> TargetModel:
+    """Load a preset (e.g. ``smollm2-135m``) or a local HF causal-LM folder.
+
+    ``fuse``: q/k/v and gate/up as one matmul each (decoding only; the target's state_dict then loses its
+    checkpoint names, so not for code that copies target weights by name, like the draft-LM initialiser).
+    """
     folder = resolve_model_path(name_or_path)
     cfg = read_config(folder)
     spec = spec_from_config(cfg)
     model = build_model(spec, load_state_dict(folder), f"target {name_or_path}", dtype)
+    if fuse:
+        fuse_projections(model.model.layers)
     tok = load_tokenizer(folder) if tokenizer else None
     if tok is not None and len(tok) > spec.vocab_size:
         raise ModelLoadError(f"tokenizer has {len(tok)} tokens but the model's vocabulary is {spec.vocab_size}")

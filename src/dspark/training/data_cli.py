@@ -57,6 +57,18 @@ def run_tokenize(args: argparse.Namespace) -> None:
     print(write_tokenized(args.inputs, tokenizer, args.out, args.max_length, args.min_loss_tokens))
 
 
+def run_vocab(args: argparse.Namespace) -> None:
+    from dspark.drafters.draft_vocab import build_draft_vocab, count_tokens, save_draft_vocab
+    from dspark.target.model import load_target
+
+    target = load_target(args.target)
+    counts = count_tokens(args.data, target.vocab_size)
+    ids, coverage = build_draft_vocab(counts, args.size, sorted(target.eos_token_ids))
+    save_draft_vocab(args.out, ids, target.vocab_size, coverage, str(args.data))
+    print(f"wrote {args.out}: {len(ids)} tokens covering {coverage:.2%} of {int(counts.sum())} supervised tokens "
+          f"({int((counts > 0).sum())} distinct)")
+
+
 def add_cli(subparsers) -> argparse.ArgumentParser:
     """Register `dspark data {prompts,tokenize}` on the main CLI's subparsers."""
     from dspark.target.presets import DEFAULT_TARGET
@@ -128,4 +140,16 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     tokenize.add_argument("--min-loss-tokens", type=int, default=MIN_LOSS_TOKENS,
                           help="drop samples with fewer supervised tokens (default: %(default)s)")
     tokenize.set_defaults(func=run_tokenize)
+
+    vocab = commands.add_parser(
+        "vocab", help="write a draft vocabulary: the N tokens the target generates most often",
+        description="Count the supervised (assistant) tokens of a tokenized dataset and write the N most "
+                    "frequent ids as a draft vocabulary for `--draft-vocab` (DSpark/DFlash drafters then "
+                    "compute their base logits on these rows only; decoding stays lossless).")
+    vocab.add_argument("--data", type=Path, required=True, metavar="DIR", help="a `dspark data tokenize` folder")
+    vocab.add_argument("--size", type=int, default=8192, metavar="N", help="tokens to keep (default: %(default)s)")
+    vocab.add_argument("--target", default=DEFAULT_TARGET, metavar="NAME",
+                       help="target whose vocabulary size and end-of-turn tokens are used (default: %(default)s)")
+    vocab.add_argument("--out", type=Path, required=True, metavar="FILE", help="output JSON file")
+    vocab.set_defaults(func=run_vocab)
     return data

@@ -1,0 +1,74 @@
+"""Draft vocabulary: the tokens a drafter may propose (``--draft-vocab``), Eagle3's reduced draft vocab idea.
+
+A DSpark/DFlash drafter shares the target's LM head, so its base logits U_k cost a
+(K x H) @ (H x V) product per step; for a 135M target with V = 49,152 that is most
+of the drafter's time. Restricting drafts to the N tokens the target actually
+generates most often (counted over the assistant tokens of a tokenized training
+set) computes U_k on those N rows only. Every other token gets probability 0 in
+the draft, which the rejection sampler handles like any other draft distribution:
+decoding stays lossless, only tokens outside the set can never be drafted.
+
+File: JSON {"format": "dspark-draft-vocab", "version": 1, "token_ids": [...] (most
+frequent first), "vocab_size": V, "coverage": share of counted tokens inside, ...}.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from dspark.errors import DSparkError
+
+FORMAT = "dspark-draft-vocab"
+
+
+def count_tokens(data_dir: str | Path, vocab_size: int) -> np.ndarray:  # (V,) int64 counts of supervised tokens
+    from dspark.training.dataset import TokenizedDataset
+
+    ds = TokenizedDataset(data_dir)
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for i in range(len(ds)):
+        item = ds[i]
+        ids = np.asarray(item["input_ids"])[np.asarray(item["loss_mask"]).astype(bool)]
+        if ids.size and int(ids.max()) >= vocab_size:
+            raise DSparkError(f"{data_dir}: token id {int(ids.max())} outside a vocabulary of {vocab_size}")
+        counts += np.bincount(ids, minlength=vocab_size)
+    return counts
+
+
+def build_draft_vocab(counts: np.ndarray, size: int, always: list[int] = ()) -> tuple[list[int], float]:
+    """The ``size`` most frequent token ids (ties by id), ``always`` included; and their share of ``counts``."""
+    if size < 1:
+        raise DSparkError(f"a draft vocabulary needs at least 1 token, got {size}")
+    order = np.lexsort((np.arange(counts.size), -counts))  # most frequent first, then lower id
+    keep = [int(t) for t in always if 0 <= int(t) < counts.size]
+    ids = keep + [int(t) for t in order if int(t) not in set(keep)][: max(0, size - len(keep))]
+    total = counts.sum()
+    return ids, float(counts[ids].sum() / total) if total else 0.0
+
+
+def save_draft_vocab(path: str | Path, ids: list[int], vocab_size: int, coverage: float, source: str) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"format": FORMAT, "version": 1, "vocab_size": vocab_size, "size": len(ids),
+                                "coverage": round(coverage, 6), "source": source, "token_ids": ids}) + "\n",
+                    encoding="utf-8")
+    return path
+
+
+def load_draft_vocab(path: str | Path, vocab_size: int) -> list[int]:
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise DSparkError(f"--draft-vocab {path}: cannot read it as JSON ({e})") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise DSparkError(f"--draft-vocab {path}: not a {FORMAT} file (write one with `dspark data vocab`)")
+    if data.get("vocab_size") != vocab_size:
+        raise DSparkError(f"--draft-vocab {path} was built for a vocabulary of {data.get('vocab_size')} tokens, "
+                          f"the target has {vocab_size}")
+    ids = [int(t) for t in data["token_ids"]]
+    if not ids or len(set(ids)) != len(ids) or min(ids) < 0 or max(ids) >= vocab_size:
+        raise DSparkError(f"--draft-vocab {path}: token_ids must be distinct ids in [0, {vocab_size})")
+    return ids

@@ -1,0 +1,82 @@
+"""Draft vocabularies: counting, the file, and DSpark/DFlash drafting inside one (lossless, cheaper)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from dspark.drafters.base import NoDrafter
+from dspark.drafters.draft_vocab import build_draft_vocab, count_tokens, load_draft_vocab, save_draft_vocab
+from dspark.drafters.dspark import DSparkDrafter
+from dspark.errors import DSparkError
+from dspark.generation.generator import SpeculativeGenerator
+from dspark.sampling.processing import SamplingParams
+from dspark.training.dataset import TokenizedDataset, write_tokenized
+
+from .tiny_drafters import LAYER_IDS, overfit_on_greedy, random_tokens, request_after, tiny_dflash, tiny_dspark
+
+
+def test_build_keeps_the_most_frequent_then_lower_ids_and_forced_tokens():
+    counts = np.array([5, 0, 3, 3, 1])
+    assert build_draft_vocab(counts, 3) == ([0, 2, 3], pytest.approx(11 / 12))
+    ids, cov = build_draft_vocab(counts, 3, always=[4])
+    assert ids == [4, 0, 2] and cov == pytest.approx(9 / 12)
+    with pytest.raises(DSparkError):
+        build_draft_vocab(counts, 0)
+
+
+def test_count_tokens_counts_supervised_tokens_only(tmp_path):
+    from tests.training import smollm2_tokenizer
+
+    rows = [{"id": f"s{i}", "status": "success", "conversations": [
+        {"role": "user", "content": f"Question {i}?"}, {"role": "assistant", "content": "yes " * (i + 3)}]}
+        for i in range(3)]
+    (tmp_path / "r.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_tokenized(tmp_path / "r.jsonl", smollm2_tokenizer(), tmp_path / "tok", 64, min_loss_tokens=1,
+                    progress=False)
+    counts = count_tokens(tmp_path / "tok", 49152)
+    ds = TokenizedDataset(tmp_path / "tok")
+    by_hand = np.zeros(49152, dtype=np.int64)
+    for i in range(len(ds)):
+        for t, m in zip(ds[i]["input_ids"].tolist(), ds[i]["loss_mask"].tolist()):
+            by_hand[t] += m
+    assert np.array_equal(counts, by_hand) and counts.sum() > 0
+
+
+def test_file_round_trip_and_errors(tmp_path):
+    path = save_draft_vocab(tmp_path / "v.json", [5, 2, 9], 96, 0.9, "somewhere")
+    assert load_draft_vocab(path, 96) == [5, 2, 9]
+    with pytest.raises(DSparkError, match="vocabulary of 96"):
+        load_draft_vocab(path, 100)
+    (tmp_path / "bad.json").write_text('{"format": "other"}')
+    with pytest.raises(DSparkError, match="dspark data vocab"):
+        load_draft_vocab(tmp_path / "bad.json", 96)
+
+
+@pytest.mark.parametrize("make", [tiny_dspark, tiny_dflash], ids=["dspark", "dflash"])
+def test_drafts_stay_inside_the_vocab_and_decoding_stays_lossless(tiny, make):
+    model = make(tiny)
+    vocab, G = list(range(0, 96, 2)), model.config.block_size  # even ids only
+    req = request_after(tiny, random_tokens(9, seed=3), LAYER_IDS, SamplingParams(temperature=1.0, seed=2))
+    full = DSparkDrafter(model).propose([req], [G])
+    for top_m in (None, 5):
+        block = DSparkDrafter(model, head_top_m=top_m, draft_vocab=vocab).propose([req], [G])
+        odd = block.draft_probs[0, :, 1::2]
+        assert torch.equal(odd, torch.zeros_like(odd)) and (block.tokens % 2 == 0).all()
+        torch.testing.assert_close(block.draft_probs[0].sum(-1), torch.ones(G))
+    if make is tiny_dflash:  # no head: slot distributions are the full ones renormalised on the vocab
+        even = full.draft_probs[0, :, ::2]
+        got = DSparkDrafter(model, draft_vocab=vocab).propose([req], [G]).draft_probs[0, :, ::2]
+        torch.testing.assert_close(got, even / even.sum(-1, keepdim=True))
+    everything = DSparkDrafter(model, draft_vocab=list(range(96))).propose([req], [G])
+    torch.testing.assert_close(everything.draft_probs, full.draft_probs)
+
+    prompts = [random_tokens(6, seed=13), random_tokens(11, seed=14)]
+    sp = SamplingParams(temperature=0.0, max_new_tokens=24)
+    plain = SpeculativeGenerator(tiny, NoDrafter(tiny.vocab_size)).generate(prompts, sp)
+    overfit_on_greedy(tiny, model, prompts[0])
+    fast = SpeculativeGenerator(tiny, DSparkDrafter(model, head_top_m=4, draft_vocab=vocab)).generate(prompts, sp)
+    assert [r.output_ids for r in fast] == [r.output_ids for r in plain]
