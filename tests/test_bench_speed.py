@@ -106,3 +106,20 @@ def test_compile_twins_are_timed_in_the_same_run_and_stay_lossless(tmp_path):
     assert set(rows) == {"ours-plain", "ours-prompt-lookup@k7", "ours-plain+compile"}
     assert rows["ours-plain+compile"]["greedy_match"] == [2, 2]  # against ours-plain (no HF rows)
     assert "torch.compile'd target" in render_markdown(result)
+
+
+def test_cheaper_drafting_variants_get_their_own_rows(tmp_path):
+    from dspark.drafters.draft_vocab import save_draft_vocab
+    from dspark.drafters.dspark import save_dspark_checkpoint
+    from tests.drafters.tiny_drafters import tiny_dspark
+
+    target = _tiny_hf_target(tmp_path / "target")
+    save_dspark_checkpoint(tiny_dspark(target), tmp_path / "ds")
+    vocab = save_draft_vocab(tmp_path / "v.json", list(range(0, 96, 2)), 96, 1.0, "test")
+    cfg = SpeedConfig(target=str(tmp_path / "target"), sets=["gsm8k"], per_set=1, max_new_tokens=8,
+                      temperatures=[0.0], warmup_tokens=2, max_prompt_tokens=400, include_hf=False,
+                      drafters=[["ds", str(tmp_path / "ds")]], head_top_m=[3], draft_vocab=str(vocab))
+    rows = {r["key"]: r for r in run_speed_bench(cfg, "t", log=lambda msg: None)["rows"]}
+    assert {"ours-ds@k4", "ours-ds-top3@k4", "ours-ds-top3-vocab48@k4"} <= set(rows)
+    assert all(r["greedy_match"] == [1, 1] for r in rows.values())
+    assert "top 3" in rows["ours-ds-top3-vocab48@k4"]["note"]

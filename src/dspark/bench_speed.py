@@ -83,7 +83,7 @@ class SpeedConfig:
     include_hf: bool = True
     warmup_tokens: int = 16
     dtype: str = "float32"  # target, drafters and the HF models
-    compile: bool = False  # add "+compile" twins of ours-plain and every --drafter row (torch.compile'd target)
+    compile: bool = False  # "+compile" twins of ours-plain and each --drafter row (its last variant), compiled target
     head_top_m: list[int] | None = None  # DSpark rows at each M too (--head-top-m); None: the full head only
     draft_vocab: str | None = None  # DSpark/DFlash rows with this draft vocabulary too (and the last M, if any)
 
@@ -355,11 +355,11 @@ def build_methods(target, cfg: SpeedConfig, log=print, compiled_target=None) -> 
                 continue
             drafter = own if k == own.block_size else load_drafter(path, target, k)
             methods.append(ours_method(f"ours-{name}", target, drafter))
-            twins.append((f"ours-{name}", drafter))
+            last = (f"ours-{name}", drafter)
             for suffix, m, vocab, note in _variants(own, cfg):
-                fast = load_drafter(path, target, k, m, vocab)
-                methods.append(ours_method(f"ours-{name}{suffix}", target, fast, note))
-                twins.append((f"ours-{name}{suffix}", fast))
+                last = (f"ours-{name}{suffix}", load_drafter(path, target, k, m, vocab))
+                methods.append(ours_method(last[0], target, last[1], note))
+            twins.append(last)  # the compiled twin of each drafter row: its cheapest-drafting variant
     if compiled_target is not None:  # drafters read no target weights while drafting: shared with the twin
         methods += [ours_method(f"{name}+compile", compiled_target, drafter) for name, drafter in twins]
     names = [(m.name, m.block_size) for m in methods]
@@ -720,8 +720,8 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="dtype of the target, the drafters and the HF models (default: %(default)s)")
     p.add_argument("--compile", action="store_true",
-                   help="also time ours-plain and every --drafter row with a torch.compile'd target (rows named "
-                   "'+compile', measured in the same run)")
+                   help="also time ours-plain and every --drafter at each block size (its cheapest variant) with a "
+                   "torch.compile'd target (rows named '+compile', measured in the same run)")
     p.add_argument("--warmup-tokens", type=int, default=16, help="tokens of the warm-up call (default: %(default)s)")
     p.add_argument("--threads", type=int, default=argparse.SUPPRESS,
                    help="torch CPU threads (default: the global --threads, else torch's choice)")
