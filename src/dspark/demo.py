@@ -24,7 +24,9 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         "demo", help="end-to-end demo: prepare SmolLM2, get a DSpark drafter, compare decoding speed",
         description="Reuses a drafter from --drafter, runs/smollm2-dspark-markov, runs/study/train/dspark-markov or "
         "$DSPARK_HOME/demo; otherwise builds a small training set with the target and trains one for "
-        "--train-minutes. Then decodes a few evaluation prompts (greedy) and prints a table.",
+        "--train-minutes. Then decodes a few evaluation prompts (greedy) and prints a table. Unlike the other "
+        "commands it defaults to the fastest CPU settings: --dtype bfloat16, --head-top-m 64 and a draft vocabulary "
+        "built from the drafter's training data.",
     )
     p.add_argument("--target", default=DEFAULT_TARGET, help="preset or HF folder (default: %(default)s)")
     add_target_options(p)
@@ -35,7 +37,11 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-train-prompts", type=int, default=96, help="prompts regenerated for training (default: %(default)s)")
     p.add_argument("--prompts-per-set", type=int, default=2, help="evaluation prompts per benchmark (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="per prompt (default: %(default)s)")
-    p.set_defaults(func=run_demo)
+    p.add_argument("--draft-vocab-size", type=int, default=4096, metavar="N",
+                   help="without --draft-vocab, build one of N tokens from the drafter's own training data "
+                   "(its train_config.json), 0 = draft from the whole vocabulary (default: %(default)s)")
+    # the fastest settings measured on a CPU (docs/performance.md); --dtype float32 / --head-top-m 0 undo them
+    p.set_defaults(func=run_demo, dtype="bfloat16", head_top_m=64)
 
 
 def _find_drafter(args: argparse.Namespace, work: Path) -> Path | None:
@@ -48,6 +54,27 @@ def _find_drafter(args: argparse.Namespace, work: Path) -> Path | None:
         ckpt = latest_checkpoint(out) if out.exists() else None
         if ckpt is not None and (ckpt / "config.json").is_file() and (out / "train_summary.json").is_file():
             return ckpt
+    return None
+
+
+def _draft_vocab(args: argparse.Namespace, ckpt: Path, target, work: Path) -> str | None:
+    """--draft-vocab, else one built from the tokenized data the drafter was trained on (None if there is none)."""
+    import json
+
+    from dspark.drafters.draft_vocab import build_draft_vocab, count_tokens, save_draft_vocab
+
+    if args.draft_vocab or args.draft_vocab_size <= 0:
+        return args.draft_vocab
+    cfg_path = ckpt / "train_config.json"
+    data = json.loads(cfg_path.read_text()).get("data") if cfg_path.is_file() else None
+    for folder in ([data] if isinstance(data, str) else data or []):
+        if (Path(folder) / "manifest.json").is_file():
+            counts = count_tokens(folder, target.vocab_size)
+            ids, coverage = build_draft_vocab(counts, args.draft_vocab_size, sorted(target.eos_token_ids))
+            path = save_draft_vocab(work / "draft-vocab.json", ids, target.vocab_size, coverage, str(folder))
+            print(f"[demo] draft vocabulary: the {len(ids)} most frequent tokens of {folder} "
+                  f"({coverage:.1%} of its answer tokens) -> {path}")
+            return str(path)
     return None
 
 
@@ -70,7 +97,8 @@ def _train_demo_drafter(args: argparse.Namespace, target, work: Path) -> Path:
     print(f"[demo] training a 1-layer DSpark drafter (Markov head) for {args.train_minutes:g} min")
     cfg = load_config(
         "smollm2-dspark-markov",
-        [f"time_budget_s={args.train_minutes * 60:.0f}", "epochs=20", "max_length=512", "checkpoint_every=50"],
+        [f"time_budget_s={args.train_minutes * 60:.0f}", "epochs=20", "max_length=512", "checkpoint_every=50",
+         f"dtype={args.dtype}"],
         target=args.target, data=[str(tok)], out=str(work / "drafter"),
     )
     resume = (work / "drafter" / "step_latest").exists()
@@ -98,7 +126,7 @@ def run_demo(args: argparse.Namespace) -> int:
     drafters = {
         "plain (no drafter)": NoDrafter(target.vocab_size),
         "prompt lookup": PromptLookupDrafter(target.vocab_size, 7),
-        "DSpark": load_drafter(str(ckpt), target, None, args.head_top_m, args.draft_vocab),
+        "DSpark": load_drafter(str(ckpt), target, None, args.head_top_m or None, _draft_vocab(args, ckpt, target, work)),
     }
     prompts = []
     for name in DEMO_SETS:
@@ -121,7 +149,11 @@ def run_demo(args: argparse.Namespace) -> int:
         reference = reference or outputs
         rows.append((label, sum(taus) / len(taus), tokens / seconds, outputs == reference))
     base = rows[0][2]
-    print(f"\n{len(prompts)} prompts ({', '.join(DEMO_SETS)}), greedy, {args.max_new_tokens} new tokens max\n")
+    top_m, vocab = getattr(drafters["DSpark"], "head_top_m", None), getattr(drafters["DSpark"], "draft_vocab", None)
+    print(f"\n{len(prompts)} prompts ({', '.join(DEMO_SETS)}), greedy, {args.max_new_tokens} new tokens max, "
+          f"{args.dtype}{', compiled' if args.compile else ''}; DSpark head over "
+          f"{f'the top {top_m}' if top_m else 'all'} tokens, draft vocabulary of "
+          f"{'all' if vocab is None else len(vocab)} tokens\n")
     print("| decoding | acceptance length | tokens/s | speedup | same text as plain |")
     print("|---|---|---|---|---|")
     for label, tau, tps, same in rows:

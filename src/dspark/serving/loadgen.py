@@ -239,7 +239,7 @@ def run_sweep(cfg: SweepConfig, log=print) -> tuple[list[dict], dict]:
     from dspark.target.model import load_target
 
     specs = [parse_policy(p) for p in cfg.policies]  # fail early on a typo
-    target = load_target(cfg.target)
+    target = load_target(cfg.target, fuse=True)
     drafter = load_drafter(cfg.drafter, target, cfg.block_size)
     sps = None
     if any(s.needs_sps_table for s in specs):

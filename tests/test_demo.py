@@ -1,0 +1,63 @@
+"""`dspark demo` end to end on a tiny target with SmolLM2's tokenizer: reuse path, fast settings, lossless rows."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dspark.cli import main
+from dspark.drafters.dspark import save_dspark_checkpoint
+from dspark.errors import DSparkError
+from dspark.target.model import load_target
+from dspark.training.dataset import write_tokenized
+from tests.drafters.tiny_drafters import tiny_dspark
+from tests.tiny import save_hf_folder, tiny_config
+
+
+@pytest.fixture(scope="module")
+def demo_setup(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    from dspark.target.convert import resolve_model_path
+
+    try:
+        source = resolve_model_path("smollm2-135m")
+    except DSparkError as err:
+        pytest.skip(f"SmolLM2 tokenizer unavailable: {err}")
+    root = tmp_path_factory.mktemp("demo")
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    target_dir = root / "target"
+    save_hf_folder(target_dir, tiny_config(vocab_size=49152, eos_token_id=tokenizer.eos_token_id,
+                                           bos_token_id=tokenizer.bos_token_id))
+    tokenizer.save_pretrained(target_dir)
+    rows = [{"id": f"s{i}", "status": "success", "conversations": [
+        {"role": "user", "content": f"What is {i} plus {i}?"}, {"role": "assistant", "content": f"It is {2 * i}. " * 3}]}
+        for i in range(4)]
+    (root / "r.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_tokenized(root / "r.jsonl", tokenizer, root / "tok", 64, min_loss_tokens=1, progress=False)
+    ckpt = root / "drafter"
+    save_dspark_checkpoint(tiny_dspark(load_target(str(target_dir))), ckpt)
+    (ckpt / "train_config.json").write_text(json.dumps({"data": [str(root / "tok")]}))
+    return target_dir, ckpt, root
+
+
+def test_demo_reuses_a_drafter_with_its_own_draft_vocabulary(demo_setup, capsys):
+    target_dir, ckpt, root = demo_setup
+    rc = main(["demo", "--target", str(target_dir), "--drafter", str(ckpt), "--work-dir", str(root / "work"),
+               "--prompts-per-set", "1", "--max-new-tokens", "6"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "bfloat16; DSpark head over the top 64 tokens, draft vocabulary of 4096 tokens" in out
+    vocab = json.loads((root / "work" / "draft-vocab.json").read_text())
+    assert vocab["source"] == str(root / "tok") and vocab["size"] == 4096
+    table = [line for line in out.splitlines() if line.startswith("| ") and "decoding" not in line]
+    assert len(table) == 3 and all(line.rstrip().endswith("| yes |") for line in table), out
+
+
+def test_demo_can_be_told_to_use_the_exact_settings(demo_setup, capsys):
+    target_dir, ckpt, root = demo_setup
+    assert main(["demo", "--target", str(target_dir), "--drafter", str(ckpt), "--work-dir", str(root / "w2"),
+                 "--prompts-per-set", "1", "--max-new-tokens", "4", "--dtype", "float32", "--head-top-m", "0",
+                 "--draft-vocab-size", "0"]) == 0
+    assert "float32; DSpark head over all tokens, draft vocabulary of all tokens" in capsys.readouterr().out
