@@ -22,8 +22,8 @@ DEMO_SETS = ("gsm8k", "humaneval", "mt-bench")
 def add_cli(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "demo", help="end-to-end demo: prepare SmolLM2, get a DSpark drafter, compare decoding speed",
-        description="Reuses a drafter from --drafter, runs/smollm2-dspark-markov, runs/study/train/dspark-markov or "
-        "$DSPARK_HOME/demo; otherwise builds a small training set with the target and trains one for "
+        description="Reuses a drafter from --drafter, runs/smollm2-dspark-markov, runs/study/train-long/dspark-markov, "
+        "runs/study/train/dspark-markov or $DSPARK_HOME/demo; otherwise builds a small training set with the target and trains one for "
         "--train-minutes. Then decodes a few evaluation prompts (greedy) and prints a table. Unlike the other "
         "commands it defaults to the fastest CPU settings: --dtype bfloat16, --head-top-m 64 and a draft vocabulary "
         "built from the drafter's training data.",
@@ -49,8 +49,9 @@ def _find_drafter(args: argparse.Namespace, work: Path) -> Path | None:
 
     if args.drafter:
         return Path(args.drafter)
-    # `dspark train --config smollm2-dspark-markov`, `dspark reproduce --budget cpu`, an earlier demo
-    for out in (Path("runs/smollm2-dspark-markov"), Path("runs/study/train/dspark-markov"), work / "drafter"):
+    # `dspark train --config smollm2-dspark-markov`, bench/long_training.sh, `dspark reproduce --budget cpu`, a demo
+    for out in (Path("runs/smollm2-dspark-markov"), Path("runs/study/train-long/dspark-markov"),
+                Path("runs/study/train/dspark-markov"), work / "drafter"):
         ckpt = latest_checkpoint(out) if out.exists() else None
         if ckpt is not None and (ckpt / "config.json").is_file() and (out / "train_summary.json").is_file():
             return ckpt
