@@ -32,6 +32,17 @@ KINDS = {
 }
 
 
+def _check_same_settings(run: Path, args: argparse.Namespace) -> None:
+    """Resuming is for interrupted runs: refuse a folder trained with another budget or dtype."""
+    saved = run / "step_latest" / "train_config.json"
+    if not saved.is_file():
+        return
+    cfg = json.loads(saved.read_text(encoding="utf-8"))
+    if (cfg.get("time_budget_s"), cfg.get("dtype")) != (args.budget_s, args.dtype):
+        raise SystemExit(f"{run} was trained with time_budget_s={cfg.get('time_budget_s')}, dtype={cfg.get('dtype')}; "
+                         f"delete {run.parent.parent} to rerun with --budget-s {args.budget_s:g} --dtype {args.dtype}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("kind", choices=sorted(KINDS), help="which ablation to run")
@@ -55,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     drafters: list[str] = []
     for s in series:
         run = out / "train" / s.name
+        _check_same_settings(run, args)
         cmd = [args.dspark, "train", "--config", s.preset, "--drafter", s.kind, "--out", str(run), "--resume",
                *common]
         for o in s.overrides:

@@ -92,6 +92,7 @@ def test_tiny_end_to_end_greedy_rows_equal_hf_generate(tmp_path):
     paths = write_outputs(result, tmp_path / "out", str(tmp_path / "performance.md"))
     doc = (tmp_path / "performance.md").read_text()
     assert "dspark bench speed --test" in doc and "| ours-draft-lm | 3 |" in doc and "ideal ×" in doc
+    assert "| method | GSM8K | MT-Bench |" in doc and "| hf-generate | 1.00 | 1.00 |" in doc  # per-set ratios
     again = render_markdown(json.loads(paths[0].read_text()))  # --from-json renders the same tables
     assert again == (tmp_path / "out" / "speed.md").read_text()
 

@@ -531,6 +531,27 @@ def _table(rows: list[dict], temperature: float, reference: str) -> list[str]:
     return lines
 
 
+def _per_set_table(result: dict[str, Any], temperature: float, reference: str) -> list[str]:
+    """tok/s of each row over the reference's, per evaluation set (from the per-call records)."""
+    records = [r for r in result.get("records", []) if r["temperature"] == temperature]
+    sets = list(dict.fromkeys(r["dataset"] for r in records))
+    if len(sets) < 2:
+        return []
+    tok: dict[tuple[str, str], list[float]] = {}
+    for r in records:
+        acc = tok.setdefault((r["method"], r["dataset"]), [0.0, 0.0])
+        acc[0] += r["new_tokens"]
+        acc[1] += r["seconds"]
+    rate = {k: v[0] / v[1] for k, v in tok.items() if v[1] > 0}
+    lines = [f"Per set (× {reference}, tok/s over its tok/s on the same prompts):", "",
+             "| method | " + " | ".join(DISPLAY_NAMES.get(s, s) for s in sets) + " |", "|---|" + "---|" * len(sets)]
+    for method in dict.fromkeys(r["method"] for r in records):
+        cells = [f"{rate[(method, s)] / rate[(reference, s)]:.2f}" if (method, s) in rate and (reference, s) in rate
+                 else "–" for s in sets]
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
 FORMULAS = """\
 - **tok/s** = Σ new tokens / Σ wall seconds of the `generate` calls (batch size 1, prefill included).
 - **× hf-generate**, **× ours-plain**: tok/s over that row's tok/s at the same temperature.
@@ -584,6 +605,7 @@ def render_markdown(result: dict[str, Any], title: str = "Decoding speed", raw_j
     for temperature in cfg["temperatures"]:
         label = "Greedy (temperature 0)" if temperature == 0 else f"Temperature {temperature:g} (seeded sampling)"
         lines += [f"## {label}", ""] + _table(rows, temperature, reference) + [""]
+        lines += _per_set_table(result, temperature, reference)
         bad = [r for r in rows if r["temperature"] == temperature and r.get("mismatches")]
         for r in bad:
             lines.append(f"- {r['method']} differs from {reference} on {', '.join(r['mismatches'])}.")
