@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/dspark demo
+	$(BIN)/dspark demo $(ARGS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -x --durations=15

