@@ -127,7 +127,7 @@ def run_demo(args: argparse.Namespace) -> int:
     drafters = {
         "plain (no drafter)": NoDrafter(target.vocab_size),
         "prompt lookup": PromptLookupDrafter(target.vocab_size, 7),
-        "DSpark": load_drafter(str(ckpt), target, None, args.head_top_m or None, _draft_vocab(args, ckpt, target, work)),
+        "DSpark": load_drafter(str(ckpt), target, None, args.head_top_m, _draft_vocab(args, ckpt, target, work)),
     }
     prompts = []
     for name in DEMO_SETS:

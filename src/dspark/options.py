@@ -22,20 +22,30 @@ def torch_dtype(name: str):
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
 
 
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
+    return value
+
+
 def add_target_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=DTYPE_NAMES, default="float32",
                    help="weights and compute dtype of target and drafter; bfloat16 halves the memory read per "
                    "step and is much faster on CPUs with bf16 matmul units (default: %(default)s)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the target's decoder layers (inductor; the first steps compile for "
-                   "tens of seconds; docs/performance.md says what it gains)")
+                   "tens of seconds; docs/performance-variants.md measures what it gains)")
 
 
 def add_drafter_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--head-top-m", type=int, default=None, metavar="M",
+    p.add_argument("--head-top-m", type=_count, default=None, metavar="M",
                    help="DSpark's sequential head drafts among the top M tokens of the backbone's logits U_k "
                    "instead of all V: skips its V x r product per drafted token (about 2x cheaper drafting for "
-                   "SmolLM2); still lossless, acceptance barely changes (default: all V, the trained head)")
+                   "SmolLM2); still lossless, acceptance barely changes; 0 = all V, the trained head (default: all V)")
     p.add_argument("--draft-vocab", default=None, metavar="FILE",
                    help="DSpark/DFlash draft only the tokens of this `dspark data vocab` file: their base logits "
                    "use those LM-head rows only (default: the whole vocabulary)")

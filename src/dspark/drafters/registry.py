@@ -49,7 +49,7 @@ def load_drafter(spec: str, target, block_size: int | None = None, head_top_m: i
         from dspark.drafters.draft_vocab import load_draft_vocab
 
         vocab = load_draft_vocab(draft_vocab, target.vocab_size) if draft_vocab else None
-        return load_dspark_drafter(path, target, block_size, head_top_m, vocab)
+        return load_dspark_drafter(path, target, block_size, head_top_m or None, vocab)
     if kind == "eagle3":
         from dspark.drafters.eagle3 import load_eagle3_drafter
 
