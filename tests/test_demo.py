@@ -8,29 +8,16 @@ import pytest
 
 from dspark.cli import main
 from dspark.drafters.dspark import save_dspark_checkpoint
-from dspark.errors import DSparkError
 from dspark.target.model import load_target
 from dspark.training.dataset import write_tokenized
 from tests.drafters.tiny_drafters import tiny_dspark
-from tests.tiny import save_hf_folder, tiny_config
+from tests.tiny import save_chat_target
 
 
 @pytest.fixture(scope="module")
 def demo_setup(tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    from dspark.target.convert import resolve_model_path
-
-    try:
-        source = resolve_model_path("smollm2-135m")
-    except DSparkError as err:
-        pytest.skip(f"SmolLM2 tokenizer unavailable: {err}")
     root = tmp_path_factory.mktemp("demo")
-    tokenizer = AutoTokenizer.from_pretrained(source)
-    target_dir = root / "target"
-    save_hf_folder(target_dir, tiny_config(vocab_size=49152, eos_token_id=tokenizer.eos_token_id,
-                                           bos_token_id=tokenizer.bos_token_id))
-    tokenizer.save_pretrained(target_dir)
+    target_dir, tokenizer = save_chat_target(root / "target")
     rows = [{"id": f"s{i}", "status": "success", "conversations": [
         {"role": "user", "content": f"What is {i} plus {i}?"}, {"role": "assistant", "content": f"It is {2 * i}. " * 3}]}
         for i in range(4)]

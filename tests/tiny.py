@@ -58,3 +58,24 @@ def save_word_tokenizer(folder: Path, vocab_size: int) -> Path:
     (Path(folder) / "tokenizer_config.json").write_text(
         json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "[UNK]"}))
     return Path(folder)
+
+
+def save_chat_target(folder: Path, **overrides) -> tuple[Path, object]:
+    """A tiny random HF Llama folder carrying SmolLM2's tokenizer (vocabulary 49,152), and that tokenizer.
+
+    Skips the calling test when SmolLM2 has not been prepared on this machine."""
+    import pytest
+    from transformers import AutoTokenizer
+
+    from dspark.errors import DSparkError
+    from dspark.target.convert import resolve_model_path
+
+    try:
+        source = resolve_model_path("smollm2-135m")
+    except DSparkError as err:
+        pytest.skip(f"SmolLM2 tokenizer unavailable: {err}")
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    save_hf_folder(folder, tiny_config(vocab_size=49152, eos_token_id=tokenizer.eos_token_id,
+                                       bos_token_id=tokenizer.bos_token_id, **overrides))
+    tokenizer.save_pretrained(folder)
+    return folder, tokenizer

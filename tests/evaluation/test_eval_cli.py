@@ -17,27 +17,13 @@ from dspark.evaluation.calibration import load_sts_json
 from dspark.evaluation.datasets import token_dataset
 from dspark.evaluation.runner import EvalSettings, aggregate, read_records
 from tests.evaluation.test_runner import OracleConfidenceDrafter, _record
-from tests.tiny import save_hf_folder, tiny_config
+from tests.tiny import save_chat_target
 
 
 @pytest.fixture(scope="module")
 def chat_target(tmp_path_factory):
     """A tiny random HF Llama folder carrying SmolLM2's tokenizer (vocabulary 49,152)."""
-    from transformers import AutoTokenizer
-
-    from dspark.target.convert import resolve_model_path
-
-    try:
-        source = resolve_model_path("smollm2-135m")
-    except DSparkError as err:
-        pytest.skip(f"SmolLM2 tokenizer unavailable: {err}")
-    tokenizer = AutoTokenizer.from_pretrained(source)
-    folder = tmp_path_factory.mktemp("tiny-smollm2")
-    cfg = tiny_config(vocab_size=49152, hidden_size=32, num_hidden_layers=2,
-                      eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
-    save_hf_folder(folder, cfg)
-    tokenizer.save_pretrained(folder)
-    return folder
+    return save_chat_target(tmp_path_factory.mktemp("tiny-smollm2"), hidden_size=32, num_hidden_layers=2)[0]
 
 
 def test_eval_end_to_end_and_resume(chat_target, tmp_path, capsys):
