@@ -58,6 +58,7 @@ from typing import Any, Callable
 
 from dspark.errors import DSparkError
 from dspark.evaluation.datasets import BENCHMARKS, DEFAULT_SEED, DISPLAY_NAMES
+from dspark.options import DTYPE_NAMES
 from dspark.target.presets import DEFAULT_TARGET
 
 HF_PLAIN, OURS_PLAIN = "hf-generate", "ours-plain"
@@ -749,7 +750,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--draft-vocab", default=None, metavar="FILE",
                    help="also time every DSpark/DFlash --drafter drafting only this `dspark data vocab` file's "
                    "tokens (with the last --head-top-m, if given)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default="float32",
                    help="dtype of the target, the drafters and the HF models (default: %(default)s)")
     p.add_argument("--compile", action="store_true",
                    help="also time ours-plain and every --drafter at each block size (its cheapest variant) with a "

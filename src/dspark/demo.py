@@ -62,7 +62,7 @@ def _draft_vocab(args: argparse.Namespace, ckpt: Path, target, work: Path) -> st
     """--draft-vocab, else one built from the tokenized data the drafter was trained on (None if there is none)."""
     import json
 
-    from dspark.drafters.draft_vocab import build_draft_vocab, count_tokens, save_draft_vocab
+    from dspark.drafters.draft_vocab import write_draft_vocab
 
     if args.draft_vocab or args.draft_vocab_size <= 0:
         return args.draft_vocab
@@ -70,9 +70,8 @@ def _draft_vocab(args: argparse.Namespace, ckpt: Path, target, work: Path) -> st
     data = json.loads(cfg_path.read_text()).get("data") if cfg_path.is_file() else None
     for folder in ([data] if isinstance(data, str) else data or []):
         if (Path(folder) / "manifest.json").is_file():
-            counts = count_tokens(folder, target.vocab_size)
-            ids, coverage = build_draft_vocab(counts, args.draft_vocab_size, sorted(target.eos_token_ids))
-            path = save_draft_vocab(work / "draft-vocab.json", ids, target.vocab_size, coverage, str(folder))
+            path = work / "draft-vocab.json"
+            ids, coverage, _ = write_draft_vocab(folder, target, args.draft_vocab_size, path)
             print(f"[demo] draft vocabulary: the {len(ids)} most frequent tokens of {folder} "
                   f"({coverage:.1%} of its answer tokens) -> {path}")
             return str(path)

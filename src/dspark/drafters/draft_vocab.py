@@ -58,6 +58,16 @@ def save_draft_vocab(path: str | Path, ids: list[int], vocab_size: int, coverage
     return path
 
 
+def write_draft_vocab(data_dir: str | Path, target, size: int, out: str | Path) -> tuple[list[int], float, np.ndarray]:
+    """Count ``data_dir``'s answer tokens and save the ``size`` most frequent (the target's stop tokens always in).
+
+    Returns the ids, their coverage and the counts."""
+    counts = count_tokens(data_dir, target.vocab_size)
+    ids, coverage = build_draft_vocab(counts, size, sorted(target.eos_token_ids))
+    save_draft_vocab(out, ids, target.vocab_size, coverage, str(data_dir))
+    return ids, coverage, counts
+
+
 def load_draft_vocab(path: str | Path, vocab_size: int) -> list[int]:
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))

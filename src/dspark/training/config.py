@@ -25,10 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from dspark.errors import DSparkError
+from dspark.options import DTYPE_NAMES
 
 DRAFTERS = ("dspark", "dflash", "eagle3", "draft-lm")
 FEATURE_SOURCES = ("online", "cache")
-DTYPES = ("float32", "bfloat16")
+DTYPES = DTYPE_NAMES
 
 
 class TrainConfigError(DSparkError):

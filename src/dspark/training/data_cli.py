@@ -58,13 +58,10 @@ def run_tokenize(args: argparse.Namespace) -> None:
 
 
 def run_vocab(args: argparse.Namespace) -> None:
-    from dspark.drafters.draft_vocab import build_draft_vocab, count_tokens, save_draft_vocab
+    from dspark.drafters.draft_vocab import write_draft_vocab
     from dspark.target.model import load_target
 
-    target = load_target(args.target)
-    counts = count_tokens(args.data, target.vocab_size)
-    ids, coverage = build_draft_vocab(counts, args.size, sorted(target.eos_token_ids))
-    save_draft_vocab(args.out, ids, target.vocab_size, coverage, str(args.data))
+    ids, coverage, counts = write_draft_vocab(args.data, load_target(args.target), args.size, args.out)
     print(f"wrote {args.out}: {len(ids)} tokens covering {coverage:.2%} of {int(counts.sum())} supervised tokens "
           f"({int((counts > 0).sum())} distinct)")
 

@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from dspark.errors import DSparkError
+from dspark.options import torch_dtype
 from dspark.training.config import TrainConfig, TrainConfigError, build_model_config
 from dspark.training.sample import TrainSample
 
@@ -477,7 +478,7 @@ class Trainer:
             torch.distributed.is_available() and torch.distributed.is_initialized())
         self.d = d = init_distributed(self.device)
         _set_threads(cfg, d, self.device)
-        self.dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
+        self.dtype = torch_dtype(cfg.dtype)
 
         self.resume_from = latest_checkpoint(self.out) if resume else None
         if not resume and latest_checkpoint(self.out) is not None:
