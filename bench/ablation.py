@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from dspark.evaluation.report import plot_ablation
-from dspark.reproduce import LATEST, _ablation_rows, block_series, depth_series
+from dspark.studies.reproduce import LATEST, _ablation_rows, block_series, depth_series
 
 STUDY = Path("runs/study")
 KINDS = {

@@ -13,14 +13,14 @@ from dspark.errors import DSparkError
 _COMMAND_MODULES = (
     "dspark.target.cli",
     "dspark.generation.cli",
-    "dspark.training.data_cli",
+    "dspark.data.cli",
     "dspark.training.cli",
     "dspark.evaluation.cli",
     "dspark.scheduler.cli",
     "dspark.serving.cli",
-    "dspark.bench_speed",
-    "dspark.reproduce",
-    "dspark.demo",
+    "dspark.bench.speed",
+    "dspark.studies.reproduce",
+    "dspark.studies.demo",
 )
 
 

@@ -10,10 +10,11 @@ from safetensors.torch import load_file, save_file
 
 from dspark.drafters.base import NoDrafter
 from dspark.drafters.checkpoint import spec_to_hf_config
-from dspark.drafters.dspark import DSparkDrafter, load_dspark_drafter, save_dspark_checkpoint
-from dspark.drafters.dspark_model import DSparkModel
-from dspark.drafters.eagle3 import Eagle3Drafter, load_eagle3_drafter
-from dspark.drafters.eagle3_model import Eagle3Model
+from dspark.drafters.dspark.drafter import DSparkDrafter, load_dspark_drafter, save_dspark_checkpoint
+from dspark.drafters.dspark.model import DSparkModel
+from dspark.drafters.eagle3.drafter import Eagle3Drafter, load_eagle3_drafter
+from dspark.drafters.eagle3.model import Eagle3Model
+from dspark.drafters.options import DraftingOptions
 from dspark.drafters.registry import drafter_kind, load_drafter
 from dspark.errors import IncompatibleModelsError, ModelLoadError
 from dspark.generation.generator import SpeculativeGenerator
@@ -93,7 +94,7 @@ def test_eagle3_round_trip(tiny, tmp_path):
     loaded = Eagle3Model.from_checkpoint(tmp_path, tiny)
     assert loaded.config == model.config
     assert all(torch.equal(v, loaded.state_dict()[k]) for k, v in model.state_dict().items())
-    drafter = load_drafter(str(tmp_path), tiny, block_size=2)
+    drafter = load_drafter(str(tmp_path), tiny, DraftingOptions(block_size=2))
     assert isinstance(drafter, Eagle3Drafter) and drafter.block_size == 2
     _same_proposals(tiny, Eagle3Drafter(model), load_eagle3_drafter(tmp_path, tiny))
 

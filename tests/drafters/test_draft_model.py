@@ -3,7 +3,7 @@
 
 import pytest
 
-from dspark.drafters.draft_model import load_draft_model
+from dspark.drafters.draft_lm.drafter import load_draft_model
 from dspark.errors import IncompatibleModelsError
 from tests.tiny import save_hf_folder, save_word_tokenizer, tiny_config
 

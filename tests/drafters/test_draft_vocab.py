@@ -10,11 +10,11 @@ import torch
 
 from dspark.drafters.base import NoDrafter
 from dspark.drafters.draft_vocab import build_draft_vocab, count_tokens, load_draft_vocab, save_draft_vocab
-from dspark.drafters.dspark import DSparkDrafter
+from dspark.drafters.dspark.drafter import DSparkDrafter
 from dspark.errors import DSparkError
 from dspark.generation.generator import SpeculativeGenerator
 from dspark.sampling.processing import SamplingParams
-from dspark.training.dataset import TokenizedDataset, write_tokenized
+from dspark.data.tokenized import TokenizedDataset, write_tokenized
 
 from .tiny_drafters import LAYER_IDS, overfit_on_greedy, random_tokens, request_after, tiny_dflash, tiny_dspark
 

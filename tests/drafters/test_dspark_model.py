@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from dspark.drafters.base import NoDrafter
-from dspark.drafters.dspark import DSparkDrafter
-from dspark.drafters.dspark_model import DSparkConfig, resolve_mask_token_id
+from dspark.drafters.dspark.drafter import DSparkDrafter
+from dspark.drafters.dspark.model import DSparkConfig, resolve_mask_token_id
 from dspark.generation.generator import SpeculativeGenerator
 from dspark.sampling.processing import SamplingParams
-from dspark.training.blocks import sample_anchors
+from dspark.drafters.dspark.blocks import sample_anchors
 from tests.tiny import tiny_target
 
 from .tiny_drafters import (

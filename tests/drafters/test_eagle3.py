@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from dspark.drafters.base import NoDrafter
-from dspark.drafters.eagle3 import Eagle3Drafter
-from dspark.drafters.eagle3_model import Eagle3Config, ttt_attention
+from dspark.drafters.eagle3.drafter import Eagle3Drafter
+from dspark.drafters.eagle3.model import Eagle3Config, ttt_attention
 from dspark.generation.generator import SpeculativeGenerator
 from dspark.sampling.processing import SamplingParams
 from tests.tiny import tiny_target

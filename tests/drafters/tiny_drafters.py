@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 
 from dspark.drafters.base import RequestState
-from dspark.drafters.dspark_model import DSparkConfig, DSparkModel
-from dspark.drafters.eagle3_model import Eagle3Config, Eagle3Model
+from dspark.drafters.dspark.model import DSparkConfig, DSparkModel
+from dspark.drafters.eagle3.model import Eagle3Config, Eagle3Model
 from dspark.sampling.processing import SamplingParams
 from dspark.target.model import TargetModel
-from dspark.training.sample import TrainSample, make_train_sample
+from dspark.drafters.sample import TrainSample, make_train_sample
 
 LAYER_IDS = [0, 2, 3]  # three of the tiny target's four layers
 

@@ -14,7 +14,7 @@ import pytest
 from dspark.cli import main
 from dspark.errors import DSparkError
 from dspark.evaluation.calibration import load_sts_json
-from dspark.evaluation.datasets import token_dataset
+from dspark.data.eval_sets import token_dataset
 from dspark.evaluation.runner import EvalSettings, aggregate, read_records
 from tests.evaluation.test_runner import OracleConfidenceDrafter, _record
 from tests.tiny import save_chat_target
@@ -101,7 +101,7 @@ def test_reproduce_dry_run_lists_the_chain(tmp_path, capsys):
 
 
 def test_reproduce_plan_parses_and_runs_resumably(tmp_path, monkeypatch):
-    from dspark import reproduce
+    from dspark.studies import reproduce
 
     steps = reproduce.plan(reproduce.BUDGETS["tiny"], tmp_path, "smollm2-135m", ablations=True)
     # our own commands and the training configs (preset + --set) are valid today
@@ -124,7 +124,7 @@ def test_reproduce_plan_parses_and_runs_resumably(tmp_path, monkeypatch):
 
 
 def test_reproduce_writes_docs_from_results(tmp_path):
-    from dspark import reproduce
+    from dspark.studies import reproduce
 
     out, budget = tmp_path / "rp", reproduce.BUDGETS["tiny"]
     sets = [token_dataset(n, [[1]]) for n in ("gsm8k", "mbpp", "mt-bench")]
@@ -152,7 +152,7 @@ def test_reproduce_writes_docs_from_results(tmp_path):
 
 
 def test_reproduce_with_existing_data_caches_features_once(tmp_path):
-    from dspark.reproduce import BUDGETS, check_commands, plan
+    from dspark.studies.reproduce import BUDGETS, check_commands, plan
 
     steps = plan(BUDGETS["cpu"], tmp_path / "study", "smollm2-135m", data_dir=tmp_path / "tok")
     names = [s.name for s in steps]

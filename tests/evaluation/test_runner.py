@@ -16,7 +16,7 @@ import torch
 from dspark.drafters.base import DraftBlock, RequestState
 from dspark.drafters.prompt_lookup import PromptLookupDrafter
 from dspark.errors import DSparkError
-from dspark.evaluation.datasets import (
+from dspark.data.eval_sets import (
     DEFAULT_SEED,
     EVAL_CAPS,
     DatasetError,

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from dspark.drafters.base import NoDrafter
-from dspark.drafters.draft_model import DraftModelDrafter
+from dspark.drafters.draft_lm.drafter import DraftModelDrafter
 from dspark.drafters.prompt_lookup import PromptLookupDrafter, lookup_continuation
 from dspark.generation.generator import SpeculativeGenerator
 from dspark.sampling.processing import SamplingParams

@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from dspark.cli import main
+from dspark.drafters.options import DraftingOptions
 from dspark.drafters.registry import load_drafter
 from dspark.generation.generator import SpeculativeGenerator
 from dspark.modeling.compile import compile_decoder
 from dspark.sampling.processing import SamplingParams
-from dspark.options import load_target_from_args
+from dspark.drafters.options import load_target_from_args
 from tests.tiny import save_hf_folder, save_word_tokenizer, tiny_config, tiny_target
 
 
@@ -30,7 +31,7 @@ def test_compiled_decoder_matches_eager_logits_and_greedy_output():
     sp = SamplingParams(temperature=0.0, max_new_tokens=10)
     prompt = ids[:5].tolist()
     plain = SpeculativeGenerator(eager).generate([prompt], sp)[0].output_ids
-    lookup = load_drafter("prompt-lookup", compiled, 3)
+    lookup = load_drafter("prompt-lookup", compiled, DraftingOptions(block_size=3))
     assert SpeculativeGenerator(compiled, lookup).generate([prompt], sp)[0].output_ids == plain
 
 
@@ -40,7 +41,7 @@ def test_bfloat16_target_and_draft_model_follow_the_dtype(tmp_path):
     args = argparse.Namespace(target=str(folder), dtype="bfloat16", compile=False)
     target = load_target_from_args(args)
     assert target.model.lm_head.weight.dtype == torch.bfloat16
-    drafter = load_drafter(str(folder), target, 2)  # the folder itself as an independent draft model
+    drafter = load_drafter(str(folder), target, DraftingOptions(block_size=2))  # the folder itself as an independent draft model
     assert next(drafter.model.parameters()).dtype == torch.bfloat16
     sp = SamplingParams(temperature=0.0, max_new_tokens=6)
     out = SpeculativeGenerator(target, drafter).generate([[1, 2, 3]], sp)[0].output_ids

@@ -9,14 +9,14 @@ import pytest
 import torch
 
 from dspark.drafters.base import DraftBlock, RequestState
-from dspark.drafters.draft_model import DraftModelDrafter
+from dspark.drafters.draft_lm.drafter import DraftModelDrafter
 from dspark.drafters.prompt_lookup import PromptLookupDrafter
 from dspark.errors import PromptError
 from dspark.generation.generator import SpeculativeGenerator
 from dspark.sampling.processing import SamplingParams
 from dspark.scheduler.sps import SPSTable
 from dspark.serving.engine import Engine, EngineClosedError, EngineConfig, QueueFullError
-from dspark.serving.policy_adapter import PolicyError, SchedulerAdapter, make_policy, parse_policy
+from dspark.scheduler.adapter import PolicyError, SchedulerAdapter, make_policy, parse_policy
 from tests.tiny import tiny_target
 
 GAMMA = 4
@@ -223,7 +223,7 @@ def test_stats_track_batches(target, drafter):
 
 def test_dspark_drafter_confidence_head_through_the_engine(target):
     """A (random) DSpark drafter: target features and confidence logits flow through continuous batching."""
-    from dspark.drafters.dspark import DSparkDrafter
+    from dspark.drafters.dspark.drafter import DSparkDrafter
     from tests.drafters.tiny_drafters import tiny_dspark
 
     drafter = DSparkDrafter(tiny_dspark(target))

@@ -10,7 +10,7 @@ from dspark.cli import main
 from dspark.scheduler.profile import batch_token_grid, load_or_profile, profile_target
 from dspark.scheduler.sps import SPSTable
 from dspark.serving.engine import Engine
-from dspark.serving.policy_adapter import make_policy
+from dspark.scheduler.adapter import make_policy
 from dspark.sampling.processing import SamplingParams
 from tests.tiny import save_hf_folder, tiny_config, tiny_target
 

@@ -21,9 +21,9 @@ from dspark.generation.generator import SpeculativeGenerator
 from dspark.sampling.processing import SamplingParams
 from dspark.scheduler.sps import SPSTable
 from dspark.serving.engine import Engine, EngineConfig
-from dspark.serving.loadgen import run_point, write_report
+from dspark.bench.serve_load import run_point, write_report
 from dspark.serving.metrics import metric_sum, parse_prometheus
-from dspark.serving.policy_adapter import make_policy
+from dspark.scheduler.adapter import make_policy
 from dspark.serving.server import ServerConfig, ServerThread, TextStream, create_app
 from tests.tiny import tiny_target
 

@@ -1,10 +1,10 @@
-"""Training blocks (dspark.training.blocks) against hand-written expectations (interop-facts §2)."""
+"""Training blocks (dspark.drafters.dspark.blocks) against hand-written expectations (interop-facts §2)."""
 
 from __future__ import annotations
 
 import torch
 
-from dspark.training.blocks import anchor_candidates, block_attention_mask, build_blocks, sample_anchors
+from dspark.drafters.dspark.blocks import anchor_candidates, block_attention_mask, build_blocks, sample_anchors
 
 MASK = 99
 

@@ -12,16 +12,17 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from dspark.drafters.draft_lm_model import CONFIG_KEY, DraftLMConfig, DraftLMModel, saved_block_size
-from dspark.drafters.draft_model import DraftModelDrafter, load_draft_model
+from dspark.drafters.draft_lm.model import CONFIG_KEY, DraftLMConfig, DraftLMModel, saved_block_size
+from dspark.drafters.draft_lm.drafter import DraftModelDrafter, load_draft_model
+from dspark.drafters.options import DraftingOptions
 from dspark.drafters.registry import load_drafter
 from dspark.errors import IncompatibleModelsError
 from dspark.generation.generator import SpeculativeGenerator
 from dspark.sampling.processing import SamplingParams
 from dspark.target.model import load_target
 from dspark.training.config import TrainConfig, TrainConfigError, load_config
-from dspark.training.features import build_feature_cache
-from dspark.training.sample import make_train_sample
+from dspark.data.features import build_feature_cache
+from dspark.drafters.sample import make_train_sample
 from dspark.training.trainer import train
 from tests.tiny import save_hf_folder, tiny_config, tiny_target, save_word_tokenizer
 
@@ -165,7 +166,7 @@ def test_greedy_speculative_output_equals_plain_greedy(tmp_path, tiny, layer_ids
     prompts = [[5, 17, 33, 8, 60], [70, 3, 3, 41]]
     sampling = SamplingParams(temperature=0.0, max_new_tokens=24)
     plain = SpeculativeGenerator(tiny).generate(prompts, sampling)
-    spec = SpeculativeGenerator(tiny, load_drafter(str(folder), tiny, 4)).generate(prompts, sampling)
+    spec = SpeculativeGenerator(tiny, load_drafter(str(folder), tiny, DraftingOptions(block_size=4))).generate(prompts, sampling)
     assert [r.output_ids for r in spec] == [r.output_ids for r in plain]
     if layer_ids == [0, 1, 2, 3]:  # positive control: the full copy is the target, every draft is accepted
         for r in spec:

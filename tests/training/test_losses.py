@@ -1,4 +1,4 @@
-"""Loss terms (dspark.training.losses) against hand computations on tiny tensors (eqs. 8-12)."""
+"""Loss terms (dspark.drafters.losses) against hand computations on tiny tensors (eqs. 8-12)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from dspark.training.losses import (
+from dspark.drafters.losses import (
     DEN_EPS,
     chunked_row_terms,
     chunked_soft_cross_entropy,

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from dspark.target.model import load_target
-from dspark.training.features import build_feature_cache
+from dspark.data.features import build_feature_cache
 from tests.tiny import save_hf_folder, tiny_config
 
 LAYERS = [0, 2, 3]

@@ -25,7 +25,7 @@ FORMAT = "dspark-draft-vocab"
 
 
 def count_tokens(data_dir: str | Path, vocab_size: int) -> np.ndarray:  # (V,) int64 counts of supervised tokens
-    from dspark.training.dataset import TokenizedDataset
+    from dspark.data.tokenized import TokenizedDataset
 
     ds = TokenizedDataset(data_dir)
     counts = np.zeros(vocab_size, dtype=np.int64)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dspark.drafters.base import Drafter, NoDrafter
+from dspark.drafters.options import DraftingOptions
 from dspark.drafters.prompt_lookup import PromptLookupDrafter
 from dspark.errors import ModelLoadError
 from dspark.modeling.weights import read_config
@@ -28,11 +29,10 @@ def drafter_kind(path: Path) -> str:
     return "draft-model"
 
 
-def load_drafter(spec: str, target, block_size: int | None = None, head_top_m: int | None = None,
-                 draft_vocab: str | None = None) -> Drafter:
-    """``head_top_m``: DSpark heads draft among the top M base tokens; ``draft_vocab``: a `dspark data vocab`
-    file, DSpark/DFlash draft only those tokens. Both make drafting cheaper and stay lossless; other drafters
-    ignore them."""
+def load_drafter(spec: str, target, options: DraftingOptions | None = None) -> Drafter:
+    """The drafter ``spec`` names, for ``target``, drafting as ``options`` say (see ``DraftingOptions``)."""
+    options = options or DraftingOptions()
+    block_size, head_top_m, draft_vocab = options.block_size, options.head_top_m, options.draft_vocab
     if spec == "none":
         return NoDrafter(target.vocab_size)
     if spec == "prompt-lookup":
@@ -44,16 +44,16 @@ def load_drafter(spec: str, target, block_size: int | None = None, head_top_m: i
         )
     kind = drafter_kind(path)
     if kind == "dspark":
-        from dspark.drafters.dspark import load_dspark_drafter
+        from dspark.drafters.dspark.drafter import load_dspark_drafter
 
         from dspark.drafters.draft_vocab import load_draft_vocab
 
         vocab = load_draft_vocab(draft_vocab, target.vocab_size) if draft_vocab else None
         return load_dspark_drafter(path, target, block_size, head_top_m or None, vocab)
     if kind == "eagle3":
-        from dspark.drafters.eagle3 import load_eagle3_drafter
+        from dspark.drafters.eagle3.drafter import load_eagle3_drafter
 
         return load_eagle3_drafter(path, target, block_size)
-    from dspark.drafters.draft_model import load_draft_model
+    from dspark.drafters.draft_lm.drafter import load_draft_model
 
-    return load_draft_model(str(path), target, block_size or 4, target.model.lm_head.weight.dtype)
+    return load_draft_model(str(path), target, block_size or 4, target.dtype)

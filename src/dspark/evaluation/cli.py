@@ -14,8 +14,8 @@ import argparse
 from pathlib import Path
 
 from dspark.errors import DSparkError
-from dspark.evaluation.datasets import DEFAULT_SEED, EvalDataset
-from dspark.options import add_drafter_options, add_target_options, load_target_from_args
+from dspark.data.eval_sets import DEFAULT_SEED, EvalDataset
+from dspark.drafters.options import DraftingOptions, add_drafter_options, add_target_options, load_target_from_args
 
 DEFAULT_MAX_NEW_TOKENS = 2048  # DeepSpec's evaluator
 
@@ -101,16 +101,16 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--out", default="runs/calibrate", help="output folder (default: %(default)s)")
     c.set_defaults(func=_calibrate)
 
-    from dspark import reproduce
+    from dspark.studies import reproduce
 
-    reproduce.add_cli(sub)  # `dspark reproduce`, until dspark.cli lists dspark.reproduce itself (idempotent)
+    reproduce.add_cli(sub)  # `dspark reproduce`, until dspark.cli lists dspark.studies.reproduce itself (idempotent)
 
 
 # --------------------------------------------------------------------------- helpers
 
 
 def eval_datasets(args: argparse.Namespace) -> list[EvalDataset]:
-    from dspark.evaluation.datasets import load_eval_dataset, load_jsonl_dataset, parse_dataset_names
+    from dspark.data.eval_sets import load_eval_dataset, load_jsonl_dataset, parse_dataset_names
 
     names = parse_dataset_names(args.datasets or ("" if args.jsonl else "all"))
     sets = [load_eval_dataset(n, args.eval_dir, args.limit, args.seed) for n in names]
@@ -123,7 +123,7 @@ def eval_datasets(args: argparse.Namespace) -> list[EvalDataset]:
 
 
 def heldout_datasets(args: argparse.Namespace) -> tuple[list[EvalDataset], str]:
-    from dspark.evaluation.datasets import heldout_dataset, heldout_names, load_jsonl_dataset, parse_dataset_names
+    from dspark.data.eval_sets import heldout_dataset, heldout_names, load_jsonl_dataset, parse_dataset_names
 
     if args.jsonl:
         if args.datasets:
@@ -168,7 +168,7 @@ def _eval(args: argparse.Namespace) -> int:
     thresholds = parse_thresholds(args.sweep_thresholds) if args.sweep_thresholds else None
     datasets = eval_datasets(args)
     target = _load(args)
-    drafters = {name: load_drafter(spec, target, args.block_size, args.head_top_m, args.draft_vocab) for name, spec in named}
+    drafters = {name: load_drafter(spec, target, DraftingOptions.from_args(args)) for name, spec in named}
     temperatures = {n: load_sts_json(path, drafters[n].block_size) for n, path in sts_files.items()}
     progress = not args.no_progress
     out = Path(args.out)
@@ -202,7 +202,7 @@ def _calibrate(args: argparse.Namespace) -> int:
 
     datasets, heldout = heldout_datasets(args)
     target = _load(args)
-    drafter = load_drafter(args.drafter, target, args.block_size, args.head_top_m, args.draft_vocab)
+    drafter = load_drafter(args.drafter, target, DraftingOptions.from_args(args))
     name = args.name or parse_named(args.drafter, "--drafter")[0]
     report = calibrate(
         target, drafter, datasets, args.out, temperature=args.temperature, max_new_tokens=args.max_new_tokens,

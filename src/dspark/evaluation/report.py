@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from dspark.evaluation.datasets import DISPLAY_NAMES
+from dspark.data.eval_sets import DISPLAY_NAMES
 
 DASH = "–"
 

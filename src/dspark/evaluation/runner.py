@@ -39,7 +39,7 @@ import torch
 
 from dspark.drafters.base import DraftBlock, Drafter, RequestState
 from dspark.errors import DSparkError
-from dspark.evaluation.datasets import DEFAULT_SEED, DOMAINS, EvalDataset, EvalSample
+from dspark.data.eval_sets import DEFAULT_SEED, DOMAINS, EvalDataset, EvalSample
 from dspark.evaluation.metrics import AcceptanceStats, confidence_report
 from dspark.evaluation.report import clean_json, results_markdown
 

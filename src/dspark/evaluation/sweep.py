@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from dspark.errors import DSparkError
-from dspark.evaluation.datasets import DEFAULT_SEED, EvalDataset
+from dspark.data.eval_sets import DEFAULT_SEED, EvalDataset
 from dspark.evaluation.metrics import AcceptanceStats
 from dspark.evaluation.report import clean_json, sweep_markdown
 from dspark.evaluation.runner import evaluate

@@ -14,7 +14,7 @@ import sys
 import weakref
 
 from dspark.target.presets import DEFAULT_TARGET
-from dspark.options import add_drafter_options, add_target_options, load_target_from_args
+from dspark.drafters.options import DraftingOptions, add_drafter_options, add_target_options, load_target_from_args
 
 _BENCH_GROUPS: "weakref.WeakKeyDictionary[argparse._SubParsersAction, argparse._SubParsersAction]" = (
     weakref.WeakKeyDictionary()
@@ -48,7 +48,7 @@ def _int_list(text: str) -> list[int]:
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    from dspark.serving.policy_adapter import POLICY_HELP
+    from dspark.scheduler.adapter import POLICY_HELP
 
     p.add_argument("--target", default=DEFAULT_TARGET, help="preset or HF folder (default: %(default)s)")
     add_target_options(p)
@@ -68,7 +68,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_cli(sub: argparse._SubParsersAction) -> None:
-    from dspark.serving.policy_adapter import POLICY_HELP
+    from dspark.scheduler.adapter import POLICY_HELP
 
     p = sub.add_parser(
         "serve", help="serve an OpenAI-compatible HTTP API with speculative decoding and continuous batching",
@@ -136,7 +136,7 @@ def _serve(args: argparse.Namespace) -> int:
     from dspark.evaluation.calibration import load_sts_json
     from dspark.scheduler.profile import load_or_profile
     from dspark.serving.engine import Engine, EngineConfig
-    from dspark.serving.policy_adapter import make_policy, parse_policy
+    from dspark.scheduler.adapter import make_policy, parse_policy
     from dspark.serving.server import ServerConfig, create_app
 
     spec = parse_policy(args.policy)
@@ -144,7 +144,7 @@ def _serve(args: argparse.Namespace) -> int:
     target = load_target_from_args(args)
     if target.tokenizer is None:
         raise ModelLoadError(f"{args.target} has no tokenizer; the server needs one to read prompts")
-    drafter = load_drafter(args.drafter, target, args.block_size, args.head_top_m, args.draft_vocab)
+    drafter = load_drafter(args.drafter, target, DraftingOptions.from_args(args))
     sps = None
     if spec.needs_sps_table:
         sps = load_or_profile(args.sps_table, target, max(drafter.block_size, 1), args.max_batch,
@@ -163,13 +163,14 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _bench_serve(args: argparse.Namespace) -> int:
-    from dspark.serving.loadgen import SweepConfig, run_sweep, write_report
+    from dspark.bench.serve_load import SweepConfig, run_sweep, write_report
 
     _set_threads(args.threads)
     cfg = SweepConfig(
         target=args.target, drafter=args.drafter, policies=args.policies, concurrency=args.concurrency,
         num_requests=args.num_requests, max_tokens=args.max_tokens, temperature=args.temperature,
-        prompts=args.prompts, block_size=args.block_size, sps_table=args.sps_table, sts=args.sts,
+        prompts=args.prompts, block_size=args.block_size, head_top_m=args.head_top_m,
+        draft_vocab=args.draft_vocab, sps_table=args.sps_table, sts=args.sts,
         fallback_confidence=args.fallback_confidence, time_limit_s=args.time_limit, seed=args.seed,
         url=args.url, api_key=args.api_key or os.environ.get("DSPARK_API_KEY") or None,
     )

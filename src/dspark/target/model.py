@@ -59,6 +59,15 @@ class TargetModel:
         return self.spec.vocab_size
 
     @property
+    def dtype(self) -> torch.dtype:
+        """The weights' dtype; drafters loaded for this target are cast to it."""
+        return self.model.lm_head.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.lm_head.weight.device
+
+    @property
     def hidden_size(self) -> int:
         return self.spec.hidden_size
 

@@ -110,7 +110,7 @@ def add_data_commands(data_sub: argparse._SubParsersAction) -> None:
 
 def _regenerate(args: argparse.Namespace) -> int:
     from dspark.target.model import load_target
-    from dspark.training.regenerate import error_path, regenerate
+    from dspark.data.regenerate import error_path, regenerate
 
     target = load_target(args.target)
     stats = regenerate(target, args.prompts, args.out, args.batch_size, args.max_new_tokens, args.temperature,
@@ -123,7 +123,7 @@ def _regenerate(args: argparse.Namespace) -> int:
 def _features(args: argparse.Namespace) -> int:
     from dspark.target.model import load_target
     from dspark.training.config import TrainConfigError, load_config
-    from dspark.training.features import build_feature_cache, bytes_per_token
+    from dspark.data.features import build_feature_cache, bytes_per_token
     from dspark.training.trainer import load_token_dataset
 
     cfg = load_config(args.config, args.overrides) if args.config else None

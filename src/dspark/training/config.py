@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from dspark.errors import DSparkError
-from dspark.options import DTYPE_NAMES
+from dspark.drafters.options import DTYPE_NAMES
 
 DRAFTERS = ("dspark", "dflash", "eagle3", "draft-lm")
 FEATURE_SOURCES = ("online", "cache")
@@ -234,14 +234,14 @@ def load_config(name_or_path: str | None, overrides: list[str] = (), **fields: A
 
 def _model_config_class(drafter: str):
     if drafter == "draft-lm":
-        from dspark.drafters.draft_lm_model import DraftLMConfig
+        from dspark.drafters.draft_lm.model import DraftLMConfig
 
         return DraftLMConfig
     if drafter == "eagle3":
-        from dspark.drafters.eagle3_model import Eagle3Config
+        from dspark.drafters.eagle3.model import Eagle3Config
 
         return Eagle3Config
-    from dspark.drafters.dspark_model import DSparkConfig
+    from dspark.drafters.dspark.model import DSparkConfig
 
     return DSparkConfig
 

@@ -42,9 +42,9 @@ import torch
 from torch import nn
 
 from dspark.errors import DSparkError
-from dspark.options import torch_dtype
+from dspark.drafters.options import torch_dtype
 from dspark.training.config import TrainConfig, TrainConfigError, build_model_config
-from dspark.training.sample import TrainSample
+from dspark.drafters.sample import TrainSample
 
 LATEST = "step_latest"
 
@@ -226,7 +226,7 @@ def load_token_dataset(paths: list[str]):
     """The tokenized training data (``dspark data tokenize`` output)."""
     if not paths:
         raise TrainConfigError("training config: data is empty; give the tokenized dataset path(s)")
-    from dspark.training.dataset import TokenizedDataset
+    from dspark.data.tokenized import TokenizedDataset
 
     missing = [p for p in paths if not Path(p).exists()]
     if missing:
@@ -237,7 +237,7 @@ def load_token_dataset(paths: list[str]):
 
 def build_sample_source(cfg: TrainConfig, target, layer_ids: list[int], dtype: torch.dtype,
                         dataset=None) -> SampleSource:
-    from dspark.training import features
+    from dspark.data import features
 
     if cfg.feature_source == "cache":
         if dataset is None:
@@ -309,15 +309,15 @@ class _LossModule(nn.Module):
 def drafter_class(drafter: str) -> type[nn.Module]:
     """The model class of a drafter kind (dflash shares DSpark's class)."""
     if drafter == "draft-lm":
-        from dspark.drafters.draft_lm_model import DraftLMModel
+        from dspark.drafters.draft_lm.model import DraftLMModel
 
         return DraftLMModel
     if drafter == "eagle3":
-        from dspark.drafters import eagle3_model as module
+        from dspark.drafters.eagle3 import model as module
 
         names = ("Eagle3DraftModel", "Eagle3Model")
     else:
-        from dspark.drafters import dspark_model as module
+        from dspark.drafters.dspark import model as module
 
         names = ("DSparkDraftModel", "DSparkModel")
     for name in names:

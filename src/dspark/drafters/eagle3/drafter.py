@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from dspark.drafters.base import DraftBlock, RequestState
-from dspark.drafters.eagle3_model import Eagle3Model
+from dspark.drafters.eagle3.model import Eagle3Model
 from dspark.modeling.kv_cache import KVCache
 from dspark.sampling.processing import logits_to_probs, sample_from_probs
 
@@ -103,4 +103,4 @@ class Eagle3Drafter:
 def load_eagle3_drafter(path: str | Path, target, block_size: int | None = None) -> Eagle3Drafter:
     """Load an Eagle3 checkpoint (DeepSpec layout) as a drafter for ``target``; block_size None = checkpoint's."""
     model = Eagle3Model.from_checkpoint(Path(path), target)
-    return Eagle3Drafter(model.to(target.model.lm_head.weight.dtype), block_size)
+    return Eagle3Drafter(model.to(target.dtype), block_size)

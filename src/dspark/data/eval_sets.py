@@ -91,7 +91,7 @@ def _candidate_eval_dirs() -> list[Path]:
     tried = []
     if os.environ.get("DSPARK_EVAL_DIR"):
         tried.append(Path(os.environ["DSPARK_EVAL_DIR"]).expanduser())
-    repo = Path(__file__).resolve().parents[3]  # src/dspark/evaluation/datasets.py -> repository root
+    repo = Path(__file__).resolve().parents[3]  # src/dspark/data/eval_sets.py -> repository root
     cwd = Path.cwd()
     tried += [repo.parent / "shared" / "data" / "eval", repo / "shared" / "data" / "eval",
               cwd / "shared" / "data" / "eval", cwd.parent / "shared" / "data" / "eval"]

@@ -26,7 +26,7 @@ import torch
 from torch.utils.data import Dataset
 
 from dspark.errors import DSparkError
-from dspark.training.chat import MIN_LOSS_TOKENS, tokenize_conversation
+from dspark.data.chat import MIN_LOSS_TOKENS, tokenize_conversation
 
 FORMAT_VERSION = 1
 

@@ -12,9 +12,9 @@ import json
 import pytest
 import torch
 
-from dspark.bench_speed import CallRecord, Method, SpeedConfig, render_markdown, run_speed_bench, summarise, \
+from dspark.bench.speed import CallRecord, Method, SpeedConfig, render_markdown, run_speed_bench, summarise, \
     write_outputs
-from dspark.drafters.draft_lm_model import DraftLMConfig, DraftLMModel
+from dspark.drafters.draft_lm.model import DraftLMConfig, DraftLMModel
 from dspark.target.model import load_target
 from tests.tiny import tiny_config, save_word_tokenizer
 
@@ -111,7 +111,7 @@ def test_compile_twins_are_timed_in_the_same_run_and_stay_lossless(tmp_path):
 
 def test_cheaper_drafting_variants_get_their_own_rows(tmp_path):
     from dspark.drafters.draft_vocab import save_draft_vocab
-    from dspark.drafters.dspark import save_dspark_checkpoint
+    from dspark.drafters.dspark.drafter import save_dspark_checkpoint
     from tests.drafters.tiny_drafters import tiny_dspark
 
     target = _tiny_hf_target(tmp_path / "target")

@@ -477,7 +477,7 @@ def find_eval_dir() -> Path:
     tried = []
     if os.environ.get("DSPARK_EVAL_DIR"):
         tried.append(Path(os.environ["DSPARK_EVAL_DIR"]))
-    repo = Path(__file__).resolve().parents[3]  # src/dspark/training/prompts.py -> repository root
+    repo = Path(__file__).resolve().parents[3]  # src/dspark/data/prompts.py -> repository root
     tried += [repo.parent / "shared" / "data" / "eval", Path.cwd().parent / "shared" / "data" / "eval",
               Path.cwd() / "shared" / "data" / "eval"]
     for path in tried:

@@ -7,9 +7,9 @@ import json
 import pytest
 
 from dspark.cli import main
-from dspark.drafters.dspark import save_dspark_checkpoint
+from dspark.drafters.dspark.drafter import save_dspark_checkpoint
 from dspark.target.model import load_target
-from dspark.training.dataset import write_tokenized
+from dspark.data.tokenized import write_tokenized
 from tests.drafters.tiny_drafters import tiny_dspark
 from tests.tiny import save_chat_target
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from dspark.training.regenerate import error_path, regenerate
+from dspark.data.regenerate import error_path, regenerate
 from tests.tiny import tiny_target
 
 ROLE_IDS = {"system": 2, "user": 3, "assistant": 4}

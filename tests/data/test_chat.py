@@ -1,7 +1,7 @@
 import pytest
 
 from dspark.errors import DSparkError
-from dspark.training.chat import render_prompt, render_text, tokenize_conversation
+from dspark.data.chat import render_prompt, render_text, tokenize_conversation
 from tests.training import smollm2_tokenizer
 
 # A Qwen3-style template: the last reply carries an empty think block that past replies lose, so

@@ -20,7 +20,7 @@ The checkpoint is an ordinary Hugging Face causal-LM folder: ``config.json`` is 
 target's with ``num_hidden_layers`` = the draft's (and ``layer_types`` of the kept
 layers), ``model.safetensors`` uses HF names (``model.embed_tokens.weight``,
 ``model.layers.{i}.*``, ``model.norm.weight``, ``lm_head.weight``), and the target's
-tokenizer files are copied in. So ``dspark.drafters.draft_model.load_draft_model``
+tokenizer files are copied in. So ``dspark.drafters.draft_lm.drafter.load_draft_model``
 (and ``--drafter FOLDER``) and transformers' ``AutoModelForCausalLM.from_pretrained``
 (HF assisted generation) both load it.
 
@@ -45,8 +45,8 @@ from dspark.errors import IncompatibleModelsError, ModelLoadError
 from dspark.modeling.decoder import CausalLM
 from dspark.modeling.spec import DecoderSpec, spec_from_config
 from dspark.modeling.weights import load_into, load_state_dict, read_config
-from dspark.training.losses import ROW_CHUNK
-from dspark.training.sample import TrainSample
+from dspark.drafters.losses import ROW_CHUNK
+from dspark.drafters.sample import TrainSample
 
 #: config.json key holding the draft-LM settings (an extra key transformers keeps and ignores)
 CONFIG_KEY = "dspark_draft_lm"
@@ -166,7 +166,7 @@ class DraftLMModel(nn.Module):
         if not cfg.freeze_embeddings:
             model.teacher_head = target.model.lm_head.weight.detach().float().clone()  # (V, H)
         model._apply_freeze()
-        return model.to(target.model.lm_head.weight.dtype)
+        return model.to(target.dtype)
 
     @classmethod
     def from_checkpoint(cls, folder: Path, target=None) -> "DraftLMModel":

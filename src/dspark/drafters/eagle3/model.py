@@ -50,8 +50,8 @@ from dspark.modeling.kv_cache import KVCache
 from dspark.modeling.layers import MLP, Attention, RMSNorm
 from dspark.modeling.spec import DecoderSpec, spec_from_config
 from dspark.modeling.weights import read_config
-from dspark.training.losses import chunked_soft_cross_entropy, eagle3_step_weight
-from dspark.training.sample import TrainSample
+from dspark.drafters.losses import chunked_soft_cross_entropy, eagle3_step_weight
+from dspark.drafters.sample import TrainSample
 
 
 @dataclass
@@ -170,7 +170,7 @@ class Eagle3Model(nn.Module):
                     str(getattr(target, "name", "")))
         init_weights(model, float(base.get("initializer_range", 0.02)), generator)
         model.copy_frozen_from(target)
-        return model.to(target.model.lm_head.weight.dtype)
+        return model.to(target.dtype)
 
     def copy_frozen_from(self, target) -> None:
         copy_frozen_embeddings(self, target)

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from dspark.target.presets import DEFAULT_TARGET, dspark_home
-from dspark.options import add_drafter_options, add_target_options, load_target_from_args
+from dspark.drafters.options import DraftingOptions, add_drafter_options, add_target_options, load_target_from_args
 
 DEMO_SETS = ("gsm8k", "humaneval", "mt-bench")
 
@@ -80,9 +80,9 @@ def _draft_vocab(args: argparse.Namespace, ckpt: Path, target, work: Path) -> st
 
 def _train_demo_drafter(args: argparse.Namespace, target, work: Path) -> Path:
     from dspark.training.config import load_config
-    from dspark.training.dataset import write_tokenized
-    from dspark.training.prompts import build_prompt_set
-    from dspark.training.regenerate import regenerate
+    from dspark.data.tokenized import write_tokenized
+    from dspark.data.prompts import build_prompt_set
+    from dspark.data.regenerate import regenerate
     from dspark.training.trainer import train
 
     work.mkdir(parents=True, exist_ok=True)
@@ -111,7 +111,7 @@ def run_demo(args: argparse.Namespace) -> int:
     from dspark.drafters.base import NoDrafter
     from dspark.drafters.prompt_lookup import PromptLookupDrafter
     from dspark.drafters.registry import load_drafter
-    from dspark.evaluation.datasets import load_eval_dataset
+    from dspark.data.eval_sets import load_eval_dataset
     from dspark.generation.generator import SpeculativeGenerator
     from dspark.sampling.processing import SamplingParams
 
@@ -126,7 +126,8 @@ def run_demo(args: argparse.Namespace) -> int:
     drafters = {
         "plain (no drafter)": NoDrafter(target.vocab_size),
         "prompt lookup": PromptLookupDrafter(target.vocab_size, 7),
-        "DSpark": load_drafter(str(ckpt), target, None, args.head_top_m, _draft_vocab(args, ckpt, target, work)),
+        "DSpark": load_drafter(str(ckpt), target, DraftingOptions.from_args(
+            args, block_size=None, draft_vocab=_draft_vocab(args, ckpt, target, work))),
     }
     prompts = []
     for name in DEMO_SETS:

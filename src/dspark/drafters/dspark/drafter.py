@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from dspark.drafters.base import DraftBlock, RequestState
-from dspark.drafters.dspark_model import AttentionGroup, DSparkModel
+from dspark.drafters.dspark.model import AttentionGroup, DSparkModel
 from dspark.modeling.kv_cache import KVCache
 from dspark.sampling.processing import logits_to_probs, sample_from_probs
 
@@ -157,7 +157,7 @@ def load_dspark_drafter(path: str | Path, target, block_size: int | None = None,
     (the trained block still runs in full). ``head_top_m``: see ``DSparkDrafter``.
     """
     model = DSparkModel.from_checkpoint(Path(path), target)
-    return DSparkDrafter(model.to(target.model.lm_head.weight.dtype), block_size, head_top_m, draft_vocab)
+    return DSparkDrafter(model.to(target.dtype), block_size, head_top_m, draft_vocab)
 
 
 def save_dspark_checkpoint(model: DSparkModel, folder: str | Path, dtype: torch.dtype = torch.float32) -> None:

@@ -50,15 +50,15 @@ from dspark.errors import IncompatibleModelsError, ModelLoadError
 from dspark.modeling.layers import DecoderLayer, RMSNorm
 from dspark.modeling.spec import DecoderSpec, spec_from_config
 from dspark.modeling.weights import read_config
-from dspark.training.blocks import Blocks, block_attention_mask, build_blocks, sample_anchors
-from dspark.training.losses import (
+from dspark.drafters.dspark.blocks import Blocks, block_attention_mask, build_blocks, sample_anchors
+from dspark.drafters.losses import (
     chunked_row_terms,
     confidence_bce,
     position_weights,
     tau_estimate,
     weighted_mean,
 )
-from dspark.training.sample import TrainSample
+from dspark.drafters.sample import TrainSample
 
 MARKOV_HEAD_TYPES = ("vanilla", "rnn")
 
@@ -277,7 +277,7 @@ class DSparkModel(nn.Module):
         model = cls(cfg, draft_spec_from(target.spec, cfg.num_draft_layers), base, target.num_layers)
         init_weights(model, float(base.get("initializer_range", 0.02)), generator)
         model.copy_frozen_from(target)
-        return model.to(target.model.lm_head.weight.dtype)
+        return model.to(target.dtype)
 
     def copy_frozen_from(self, target) -> None:
         copy_frozen_embeddings(self, target)

@@ -57,8 +57,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from dspark.errors import DSparkError
-from dspark.evaluation.datasets import BENCHMARKS, DEFAULT_SEED, DISPLAY_NAMES
-from dspark.options import DTYPE_NAMES
+from dspark.data.eval_sets import BENCHMARKS, DEFAULT_SEED, DISPLAY_NAMES
+from dspark.drafters.options import DraftingOptions, DTYPE_NAMES
 from dspark.target.presets import DEFAULT_TARGET
 
 HF_PLAIN, OURS_PLAIN = "hf-generate", "ours-plain"
@@ -179,7 +179,7 @@ class BenchPrompt:
 
 def select_prompts(target, cfg: SpeedConfig) -> list[BenchPrompt]:
     """The first ``per_set`` prompts of each set (DeepSpec's shuffled selection) that fit the limits."""
-    from dspark.evaluation.datasets import load_eval_dataset
+    from dspark.data.eval_sets import load_eval_dataset
 
     prompts: list[BenchPrompt] = []
     for name in cfg.sets:
@@ -306,14 +306,14 @@ def build_methods(target, cfg: SpeedConfig, log=print, compiled_target=None) -> 
     """Every row the config asks for, models loaded once. ``compiled_target``: the same target, compiled."""
     from dspark.drafters.base import NoDrafter
     from dspark.drafters.registry import load_drafter
-    from dspark.options import torch_dtype
+    from dspark.drafters.options import torch_dtype
 
     dtype = torch_dtype(cfg.dtype)
 
     methods: list[Method] = []
     draft_lm_k = None
     if cfg.draft_lm:
-        from dspark.drafters.draft_lm_model import saved_block_size
+        from dspark.drafters.draft_lm.model import saved_block_size
 
         draft_lm_k = cfg.draft_lm_block_size or saved_block_size(cfg.draft_lm) or 4
     if cfg.include_hf:
@@ -346,19 +346,19 @@ def build_methods(target, cfg: SpeedConfig, log=print, compiled_target=None) -> 
     methods.append(ours_method("ours-prompt-lookup", target, load_drafter("prompt-lookup", target,
                                                                            cfg.prompt_lookup_tokens)))
     if cfg.draft_lm:
-        methods.append(ours_method("ours-draft-lm", target, load_drafter(cfg.draft_lm, target, draft_lm_k)))
+        methods.append(ours_method("ours-draft-lm", target, load_drafter(cfg.draft_lm, target, DraftingOptions(block_size=draft_lm_k))))
     for name, path in cfg.drafters:
-        own = load_drafter(path, target, None)
+        own = load_drafter(path, target)
         sizes = cfg.block_sizes or [own.block_size]
         for k in sizes:
             if k > own.block_size:
                 log(f"[speed] skipping {name} at block size {k}: its checkpoint proposes at most {own.block_size}")
                 continue
-            drafter = own if k == own.block_size else load_drafter(path, target, k)
+            drafter = own if k == own.block_size else load_drafter(path, target, DraftingOptions(block_size=k))
             methods.append(ours_method(f"ours-{name}", target, drafter))
             last = (f"ours-{name}", drafter)
             for suffix, m, vocab, note in _variants(own, cfg):
-                last = (f"ours-{name}{suffix}", load_drafter(path, target, k, m, vocab))
+                last = (f"ours-{name}{suffix}", load_drafter(path, target, DraftingOptions(block_size=k, head_top_m=m, draft_vocab=vocab)))
                 methods.append(ours_method(last[0], target, last[1], note))
             twins.append(last)  # the compiled twin of each drafter row: its cheapest-drafting variant
     if compiled_target is not None:  # drafters read no target weights while drafting: shared with the twin
@@ -644,7 +644,7 @@ def write_outputs(result: dict[str, Any], out_dir: str | Path, doc: str | None) 
 
 def run_speed_bench(cfg: SpeedConfig, command: str = "", log=print) -> dict[str, Any]:
     from dspark.target.model import load_target
-    from dspark.options import torch_dtype
+    from dspark.drafters.options import torch_dtype
 
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     t0 = time.perf_counter()
@@ -775,7 +775,7 @@ def _command_line() -> str:
 def _bench_speed(args: argparse.Namespace) -> int:
     import torch
 
-    from dspark.evaluation.datasets import parse_dataset_names
+    from dspark.data.eval_sets import parse_dataset_names
 
     if args.from_json:
         result = json.loads(Path(args.from_json).read_text())

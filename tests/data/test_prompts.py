@@ -5,8 +5,8 @@ from collections import Counter
 import pytest
 
 from dspark.errors import DSparkError
-from dspark.training import prompts
-from dspark.training.prompts import (
+from dspark.data import prompts
+from dspark.data.prompts import (
     MATH_SUFFIX,
     EvalIndex,
     PromptSource,

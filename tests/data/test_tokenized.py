@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from dspark.errors import DSparkError
-from dspark.training.chat import tokenize_conversation
-from dspark.training.data_cli import add_cli
-from dspark.training.dataset import TokenizedDataset, collate_padded, pack_batches, write_tokenized
+from dspark.data.chat import tokenize_conversation
+from dspark.data.cli import add_cli
+from dspark.data.tokenized import TokenizedDataset, collate_padded, pack_batches, write_tokenized
 from tests.training import smollm2_tokenizer
 
 

@@ -198,6 +198,8 @@ class SweepConfig:
     temperature: float = 1.0
     prompts: str | None = None
     block_size: int | None = None
+    head_top_m: int | None = None
+    draft_vocab: str | None = None
     sps_table: str | None = None
     sts: str | None = None
     fallback_confidence: float = 1.0
@@ -230,17 +232,18 @@ def run_sweep(cfg: SweepConfig, log=print) -> tuple[list[dict], dict]:
 
     import torch
 
+    from dspark.drafters.options import DraftingOptions
     from dspark.drafters.registry import load_drafter
     from dspark.evaluation.calibration import load_sts_json
     from dspark.scheduler.profile import load_or_profile
     from dspark.serving.engine import Engine, EngineConfig
-    from dspark.serving.policy_adapter import make_policy, parse_policy
+    from dspark.scheduler.adapter import make_policy, parse_policy
     from dspark.serving.server import ServerConfig, ServerThread, create_app
     from dspark.target.model import load_target
 
     specs = [parse_policy(p) for p in cfg.policies]  # fail early on a typo
     target = load_target(cfg.target, fuse=True)
-    drafter = load_drafter(cfg.drafter, target, cfg.block_size)
+    drafter = load_drafter(cfg.drafter, target, DraftingOptions(block_size=cfg.block_size, head_top_m=cfg.head_top_m, draft_vocab=cfg.draft_vocab))
     sps = None
     if any(s.needs_sps_table for s in specs):
         sps = load_or_profile(cfg.sps_table, target, max(drafter.block_size, 1), max(cfg.concurrency),

@@ -42,7 +42,7 @@ import torch
 
 from dspark.errors import DSparkError
 from dspark.target.model import TargetModel
-from dspark.training.sample import TrainSample
+from dspark.drafters.sample import TrainSample
 
 CACHE_VERSION = 2
 INDEX_RECORD = struct.Struct("<QIIQQQQQ")  # id, shard, seq_len, 5 byte offsets

@@ -12,6 +12,7 @@ No torch import at module level: building the parsers must stay fast for ``--hel
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 
 DTYPE_NAMES = ("float32", "bfloat16")
 
@@ -49,6 +50,38 @@ def add_drafter_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-vocab", default=None, metavar="FILE",
                    help="DSpark/DFlash draft only the tokens of this `dspark data vocab` file: their base logits "
                    "use those LM-head rows only (default: the whole vocabulary)")
+
+
+@dataclass(frozen=True)
+class DraftingOptions:
+    """How a drafter drafts, built once from a command's flags and passed by name (``load_drafter``).
+
+    ``block_size``: drafts per step (None = the checkpoint's own; prompt lookup 7, a draft LM 4);
+    ``head_top_m``: DSpark's sequential head drafts among the top M base tokens (None or 0 = all V);
+    ``draft_vocab``: a `dspark data vocab` file, DSpark/DFlash draft only those tokens (None = all V);
+    ``dtype`` / ``compile``: how the target was loaded (the drafter follows the target's dtype).
+    Every choice keeps decoding lossless; drafters that have no use for one ignore it.
+    """
+
+    block_size: int | None = None
+    head_top_m: int | None = None
+    draft_vocab: str | None = None
+    dtype: str = "float32"
+    compile: bool = False
+
+    def __post_init__(self) -> None:
+        if self.block_size is not None and self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.head_top_m is not None and self.head_top_m < 0:
+            raise ValueError(f"head_top_m must be >= 0, got {self.head_top_m}")
+        if self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"dtype must be one of {DTYPE_NAMES}, got {self.dtype!r}")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, **overrides) -> "DraftingOptions":
+        """The options a command's parsed flags ask for (flags the command does not have keep the defaults)."""
+        values = {name: getattr(args, name) for name in cls.__dataclass_fields__ if getattr(args, name, None) is not None}
+        return cls(**{**values, **overrides})
 
 
 def load_target_from_args(args: argparse.Namespace, tokenizer: bool = True):

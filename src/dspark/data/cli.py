@@ -34,7 +34,7 @@ def _overlap(value: str) -> float | None:
 
 
 def run_prompts(args: argparse.Namespace) -> None:
-    from dspark.training.prompts import build_prompt_set, default_sources, substitute_alpaca
+    from dspark.data.prompts import build_prompt_set, default_sources, substitute_alpaca
 
     sources = default_sources(python_doc_dir=args.python_doc_dir, evals_path=args.evals_wheel,
                               weights=_parse_weights(args.source_weights))
@@ -51,7 +51,7 @@ def run_tokenize(args: argparse.Namespace) -> None:
     from transformers import AutoTokenizer
 
     from dspark.target.convert import resolve_model_path
-    from dspark.training.dataset import write_tokenized
+    from dspark.data.tokenized import write_tokenized
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(args.target))
     print(write_tokenized(args.inputs, tokenizer, args.out, args.max_length, args.min_loss_tokens))
@@ -69,7 +69,7 @@ def run_vocab(args: argparse.Namespace) -> None:
 def add_cli(subparsers) -> argparse.ArgumentParser:
     """Register `dspark data {prompts,tokenize}` on the main CLI's subparsers."""
     from dspark.target.presets import DEFAULT_TARGET
-    from dspark.training.chat import MIN_LOSS_TOKENS
+    from dspark.data.chat import MIN_LOSS_TOKENS
 
     data = subparsers.add_parser(
         "data", help="build training data: prompts, regenerated responses, tokenized dataset",

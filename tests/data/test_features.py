@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dspark.training.config import TrainConfig
-from dspark.training.features import (
+from dspark.data.features import (
     INDEX_RECORD, FeatureCacheDataset, FeatureCacheError, build_feature_cache, bytes_per_token, check_cache_fits,
     compute_features,
 )
@@ -151,8 +151,8 @@ def test_training_from_the_cache_matches_training_online(tmp_path):
 
 
 def write_token_folder(path, data):
-    """A tokenized dataset folder in the layout of dspark.training.dataset (no tokenizer needed)."""
-    from dspark.training.dataset import FORMAT_VERSION
+    """A tokenized dataset folder in the layout of dspark.data.tokenized (no tokenizer needed)."""
+    from dspark.data.tokenized import FORMAT_VERSION
 
     path.mkdir()
     lengths = [len(d["input_ids"]) for d in data]
