@@ -1,27 +1,34 @@
-"""The ``dspark`` command line. Each subsystem registers its own subcommands."""
+"""The ``dspark`` command line: every command and every command group is registered here, once.
+
+Each subsystem defines the flags of its own commands (``add_cli`` and friends); this module decides which
+commands exist, in which order ``dspark --help`` lists them, and builds the ``bench`` group.
+"""
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
 
+from dspark.bench import cli as bench_cli
+from dspark.data import cli as data_cli
 from dspark.errors import DSparkError
+from dspark.evaluation import cli as evaluation_cli
+from dspark.generation import cli as generation_cli
+from dspark.scheduler import cli as scheduler_cli
+from dspark.serving import cli as serving_cli
+from dspark.studies import cli as studies_cli
+from dspark.target import cli as target_cli
+from dspark.training import cli as training_cli
 
-# modules exposing ``add_cli(subparsers)``; a missing optional one is skipped
-_COMMAND_MODULES = (
-    "dspark.target.cli",
-    "dspark.generation.cli",
-    "dspark.data.cli",
-    "dspark.training.cli",
-    "dspark.evaluation.cli",
-    "dspark.scheduler.cli",
-    "dspark.serving.cli",
-    "dspark.bench.speed",
-    "dspark.studies.reproduce",
-    "dspark.studies.demo",
-)
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="benchmarks (`dspark bench serve`: serving load test)",
+                       description="Benchmarks; see `dspark bench COMMAND --help`.")
+    bench = p.add_subparsers(dest="bench_command", metavar="COMMAND")
+    p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
+    bench_cli.add_serve(bench)
+    bench_cli.add_speed(bench)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,14 +41,16 @@ def build_parser() -> argparse.ArgumentParser:
                         help="torch intra-op threads (default: $DSPARK_THREADS or torch's default); 1 is fastest "
                         "when other jobs share the CPU")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in _COMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as err:
-            if err.name == name:
-                continue
-            raise
-        module.add_cli(sub)
+    target_cli.add_cli(sub)  # prepare
+    generation_cli.add_cli(sub)  # generate
+    data_cli.add_cli(sub)  # data {prompts, regenerate, tokenize, features, vocab}
+    training_cli.add_cli(sub)  # train
+    evaluation_cli.add_cli(sub)  # eval, calibrate
+    studies_cli.add_reproduce(sub)  # reproduce
+    scheduler_cli.add_cli(sub)  # profile
+    serving_cli.add_cli(sub)  # serve
+    _add_bench(sub)  # bench {serve, speed}
+    studies_cli.add_demo(sub)  # demo
     return parser
 
 

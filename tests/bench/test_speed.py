@@ -12,8 +12,9 @@ import json
 import pytest
 import torch
 
-from dspark.bench.speed import CallRecord, Method, SpeedConfig, render_markdown, run_speed_bench, summarise, \
-    write_outputs
+from dspark.bench.speed import CallRecord, run_speed_bench, summarise
+from dspark.bench.speed_methods import Method, SpeedConfig
+from dspark.bench.speed_report import render_markdown, write_outputs
 from dspark.drafters.draft_lm.model import DraftLMConfig, DraftLMModel
 from dspark.target.model import load_target
 from tests.tiny import tiny_config, save_word_tokenizer

@@ -40,7 +40,7 @@ def test_compute_features_matches_target_and_can_enter_autograd():
 
 def test_bytes_per_token_formula():
     assert bytes_per_token(576, 5) == 6 + 2 * 576 * 6 == 6918  # SmolLM2-135M, 5 layers
-    assert bytes_per_token(2560, 5) == 30726  # Qwen3-4B, interop §6
+    assert bytes_per_token(2560, 5) == 30726  # Qwen3-4B, docs/interop.md §Feature cache
     assert bytes_per_token(576, 5, attention_mask=False) == 6917
 
 
@@ -166,15 +166,14 @@ def write_token_folder(path, data):
 def test_data_features_command_and_online_training_from_folders(tmp_path):
     import argparse
 
-    from dspark.training.cli import add_data_commands
+    from dspark.data.cli import add_cli
     from tests.tiny import save_hf_folder, tiny_config
 
     folder = save_hf_folder(tmp_path / "target", tiny_config())
     data = token_data([14, 16])
     tok = write_token_folder(tmp_path / "tok", data)
     parser = argparse.ArgumentParser()
-    group = parser.add_subparsers().add_parser("data").add_subparsers()
-    add_data_commands(group)
+    add_cli(parser.add_subparsers())
     args = parser.parse_args(["data", "features", "--target", str(folder), "--data", str(tok),
                               "--out", str(tmp_path / "cache"), "--layer-ids", "0,2,3"])
     assert args.func(args) == 0

@@ -4,20 +4,11 @@ from collections import Counter
 
 import pytest
 
+from dspark.data.decontaminate import EvalIndex, is_reserved, normalise
+from dspark.data.prompt_sources import MATH_SUFFIX, PromptSource, default_sources
+from dspark.data.prompts import build_prompt_set, parse_mix
+from dspark.data.substitute import substitute_alpaca
 from dspark.errors import DSparkError
-from dspark.data import prompts
-from dspark.data.prompts import (
-    MATH_SUFFIX,
-    EvalIndex,
-    PromptSource,
-    build_prompt_set,
-    default_sources,
-    find_eval_dir,
-    is_reserved,
-    normalise,
-    parse_mix,
-    substitute_alpaca,
-)
 
 EVAL_TURN = "Janet has 16 ducks that lay eggs every single day of the week. How many eggs does she collect?"
 
@@ -149,16 +140,6 @@ def test_parse_mix():
     for bad in ("maths=1", "math=-1,chat=2", "math=0", "math"):
         with pytest.raises(DSparkError):
             parse_mix(bad)
-
-
-def test_find_eval_dir(tmp_path, monkeypatch, eval_dir):
-    monkeypatch.setenv("DSPARK_EVAL_DIR", str(eval_dir))
-    assert find_eval_dir() == eval_dir
-    monkeypatch.delenv("DSPARK_EVAL_DIR")
-    monkeypatch.setattr(prompts, "__file__", str(tmp_path / "r" / "src" / "dspark" / "training" / "prompts.py"))
-    monkeypatch.chdir(tmp_path)
-    with pytest.raises(DSparkError, match="--eval-dir"):
-        find_eval_dir()
 
 
 def test_eval_folder_without_turns_is_an_error(tmp_path):

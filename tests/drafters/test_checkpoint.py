@@ -1,4 +1,4 @@
-"""Drafter checkpoints: round trips, DeepSpec layout (interop-facts §1), compatibility errors."""
+"""Drafter checkpoints: round trips, DeepSpec layout (docs/interop.md §Drafter checkpoints), compatibility errors."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from dspark.drafters.dspark.model import DSparkModel
 from dspark.drafters.eagle3.drafter import Eagle3Drafter, load_eagle3_drafter
 from dspark.drafters.eagle3.model import Eagle3Model
 from dspark.drafters.options import DraftingOptions
-from dspark.drafters.registry import drafter_kind, load_drafter
+from dspark.drafters.registry import checkpoint_kind, load_drafter
 from dspark.errors import IncompatibleModelsError, ModelLoadError
 from dspark.generation.generator import SpeculativeGenerator
 from dspark.modeling.spec import spec_from_config
@@ -44,7 +44,7 @@ def _same_proposals(target, a, b) -> None:
 def test_dspark_round_trip(tiny, tmp_path, variant):
     model = BUILDERS[variant](tiny)
     save_dspark_checkpoint(model, tmp_path)
-    assert drafter_kind(tmp_path) == "dspark"
+    assert checkpoint_kind(tmp_path) == "dspark"
     loaded = DSparkModel.from_checkpoint(tmp_path, tiny)
     assert loaded.config == model.config
     own, back = model.state_dict(), loaded.state_dict()
@@ -88,7 +88,7 @@ def test_eagle3_round_trip(tiny, tmp_path):
     model = tiny_eagle3(tiny)
     model.save_checkpoint(tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
-    assert cfg["architectures"] == ["LlamaEagle3Model"] and drafter_kind(tmp_path) == "eagle3"
+    assert cfg["architectures"] == ["LlamaEagle3Model"] and checkpoint_kind(tmp_path) == "eagle3"
     assert (cfg["ttt_length"], cfg["step_loss_decay"], cfg["draft_num_hidden_layers"]) == (3, 0.8, 1)
     assert cfg["target_layer_ids"] == LAYER_IDS and cfg["num_target_layers"] == 4
     loaded = Eagle3Model.from_checkpoint(tmp_path, tiny)

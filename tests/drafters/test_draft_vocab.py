@@ -1,65 +1,20 @@
-"""Draft vocabularies: counting, the file, and DSpark/DFlash drafting inside one (lossless, cheaper)."""
+"""Draft vocabularies: the file, and DSpark/DFlash drafting inside one (lossless, cheaper).
+
+Counting a tokenized set and the `dspark data vocab` command: tests/data/test_vocab.py."""
 
 from __future__ import annotations
 
-import json
-
-import numpy as np
 import pytest
 import torch
 
 from dspark.drafters.base import NoDrafter
-from dspark.drafters.draft_vocab import build_draft_vocab, count_tokens, load_draft_vocab, save_draft_vocab
+from dspark.drafters.draft_vocab import load_draft_vocab, save_draft_vocab
 from dspark.drafters.dspark.drafter import DSparkDrafter
 from dspark.errors import DSparkError
 from dspark.generation.generator import SpeculativeGenerator
 from dspark.sampling.processing import SamplingParams
-from dspark.data.tokenized import TokenizedDataset, write_tokenized
 
 from .tiny_drafters import LAYER_IDS, overfit_on_greedy, random_tokens, request_after, tiny_dflash, tiny_dspark
-
-
-def test_build_keeps_the_most_frequent_then_lower_ids_and_forced_tokens():
-    counts = np.array([5, 0, 3, 3, 1])
-    assert build_draft_vocab(counts, 3) == ([0, 2, 3], pytest.approx(11 / 12))
-    ids, cov = build_draft_vocab(counts, 3, always=[4])
-    assert ids == [4, 0, 2] and cov == pytest.approx(9 / 12)
-    with pytest.raises(DSparkError):
-        build_draft_vocab(counts, 0)
-
-
-def _tokenized(tmp_path):
-    from tests.training import smollm2_tokenizer
-
-    rows = [{"id": f"s{i}", "status": "success", "conversations": [
-        {"role": "user", "content": f"Question {i}?"}, {"role": "assistant", "content": "yes " * (i + 3)}]}
-        for i in range(3)]
-    (tmp_path / "r.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    write_tokenized(tmp_path / "r.jsonl", smollm2_tokenizer(), tmp_path / "tok", 64, min_loss_tokens=1,
-                    progress=False)
-    return tmp_path / "tok"
-
-
-def test_data_vocab_cli_writes_a_loadable_file(tmp_path, capsys):
-    from dspark.cli import main
-
-    tok = _tokenized(tmp_path)
-    assert main(["data", "vocab", "--data", str(tok), "--size", "10", "--out", str(tmp_path / "v.json")]) == 0
-    assert "covering" in capsys.readouterr().out
-    ids = load_draft_vocab(tmp_path / "v.json", 49152)
-    data = json.loads((tmp_path / "v.json").read_text())
-    assert len(ids) == 10 and data["coverage"] > 0.5 and 2 in ids  # SmolLM2's <|im_end|> is always kept
-
-
-def test_count_tokens_counts_supervised_tokens_only(tmp_path):
-    _tokenized(tmp_path)
-    counts = count_tokens(tmp_path / "tok", 49152)
-    ds = TokenizedDataset(tmp_path / "tok")
-    by_hand = np.zeros(49152, dtype=np.int64)
-    for i in range(len(ds)):
-        for t, m in zip(ds[i]["input_ids"].tolist(), ds[i]["loss_mask"].tolist()):
-            by_hand[t] += m
-    assert np.array_equal(counts, by_hand) and counts.sum() > 0
 
 
 def test_file_round_trip_and_errors(tmp_path):

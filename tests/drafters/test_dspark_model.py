@@ -9,10 +9,12 @@ import torch
 
 from dspark.drafters.base import NoDrafter
 from dspark.drafters.dspark.drafter import DSparkDrafter
-from dspark.drafters.dspark.model import DSparkConfig, resolve_mask_token_id
+from dspark.drafters.dspark.config import DSparkConfig, resolve_mask_token_id
+from dspark.drafters.dspark.model import DSparkOutputs
 from dspark.generation.generator import SpeculativeGenerator
 from dspark.sampling.processing import SamplingParams
 from dspark.drafters.dspark.blocks import sample_anchors
+from dspark.training.trainer import with_loss
 from tests.tiny import tiny_target
 
 from .tiny_drafters import (
@@ -23,6 +25,7 @@ from .tiny_drafters import (
     sample_for,
     tiny_dflash,
     tiny_dspark,
+    training_loss,
 )
 
 VARIANTS = {
@@ -229,7 +232,7 @@ def test_training_loss_matches_hand_computation(tiny, variant):
     tokens = random_tokens(30, seed=9)
     loss_mask = [0] * 8 + [1] * 14 + [0] * 2 + [1] * 6
     sample = sample_for(tiny, tokens, LAYER_IDS, loss_mask)
-    loss, metrics = model.training_loss(sample, torch.Generator().manual_seed(11))
+    loss, metrics = training_loss(model, sample, torch.Generator().manual_seed(11))
 
     anchors = sample_anchors(sample.loss_mask, cfg.num_anchors, torch.Generator().manual_seed(11))
     out = model.block_outputs(sample, anchors)
@@ -273,7 +276,7 @@ def test_training_loss_matches_hand_computation(tiny, variant):
 def test_training_loss_without_anchors_is_a_connected_zero(tiny):
     model = tiny_dspark(tiny)
     sample = sample_for(tiny, random_tokens(10, seed=2), LAYER_IDS, [0] * 10)
-    loss, metrics = model.training_loss(sample, torch.Generator().manual_seed(0))
+    loss, metrics = training_loss(model, sample, torch.Generator().manual_seed(0))
     assert loss.item() == 0.0 and metrics["num_blocks"] == 0.0
     loss.backward()
     assert all(p.grad is not None for p in model.trainable_parameters())
@@ -286,7 +289,7 @@ def test_a_few_steps_reduce_the_loss(tiny):
     opt = torch.optim.Adam(model.trainable_parameters(), lr=3e-3)
     first = None
     for step in range(15):
-        loss, _ = model.training_loss(sample, torch.Generator().manual_seed(0))
+        loss, _ = training_loss(model, sample, torch.Generator().manual_seed(0))
         first = first if first is not None else loss.item()
         opt.zero_grad()
         loss.backward()
@@ -314,12 +317,14 @@ def test_greedy_speculative_equals_plain_greedy(tiny, variant):
 
 
 def test_forward_is_training_loss_and_config_round_trips(tiny):
-    """DDP/FSDP wrappers call ``forward``; it must be the training loss."""
+    """DDP wraps the trainer's ``DrafterWithLoss``; its ``forward`` must be the training loss, while the
+    model's own forward returns outputs only."""
     model = tiny_dspark(tiny)
     sample = sample_for(tiny, random_tokens(16, seed=15), LAYER_IDS)
-    a, _ = model(sample, torch.Generator().manual_seed(1))
-    b, _ = model.training_loss(sample, torch.Generator().manual_seed(1))
+    a, _ = with_loss(model)(sample, torch.Generator().manual_seed(1))
+    b, _ = training_loss(model, sample, torch.Generator().manual_seed(1))
     assert a.item() == b.item()
+    assert isinstance(model(sample, torch.Generator().manual_seed(1)), DSparkOutputs)
     assert DSparkConfig.from_dict(model.config.to_dict()) == model.config
 
 

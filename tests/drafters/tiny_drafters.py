@@ -5,11 +5,14 @@ from __future__ import annotations
 import torch
 
 from dspark.drafters.base import RequestState
-from dspark.drafters.dspark.model import DSparkConfig, DSparkModel
-from dspark.drafters.eagle3.model import Eagle3Config, Eagle3Model
+from dspark.drafters.dspark.config import DSparkConfig
+from dspark.drafters.dspark.model import DSparkModel
+from dspark.drafters.eagle3.config import Eagle3Config
+from dspark.drafters.eagle3.model import Eagle3Model
+from dspark.drafters.registry import model_kind_entry
+from dspark.drafters.sample import TrainSample, make_train_sample
 from dspark.sampling.processing import SamplingParams
 from dspark.target.model import TargetModel
-from dspark.drafters.sample import TrainSample, make_train_sample
 
 LAYER_IDS = [0, 2, 3]  # three of the tiny target's four layers
 
@@ -74,12 +77,19 @@ def greedy_continuation(target: TargetModel, prompt: list[int], n: int) -> list[
     return SpeculativeGenerator(target, NoDrafter(target.vocab_size)).generate([prompt], sp)[0].output_ids
 
 
+def training_loss(model: torch.nn.Module, sample: TrainSample, generator: torch.Generator | None = None
+                  ) -> tuple[torch.Tensor, dict[str, float]]:
+    """The model's outputs on ``sample`` scored by its kind's loss module (what the trainer computes)."""
+    loss = model_kind_entry(model).loss_class(model.config)
+    return loss(model, model(sample, generator), sample)
+
+
 def overfit(model: torch.nn.Module, sample: TrainSample, steps: int = 100, lr: float = 3e-3) -> dict[str, float]:
     """Train on one sequence (fixed seeds) so that drafts get accepted; returns the last metrics."""
     opt = torch.optim.Adam(model.trainable_parameters(), lr=lr)
     gen = torch.Generator().manual_seed(0)
     for _ in range(steps):
-        loss, metrics = model.training_loss(sample, gen)
+        loss, metrics = training_loss(model, sample, gen)
         opt.zero_grad()
         loss.backward()
         opt.step()

@@ -13,7 +13,7 @@ import pytest
 
 from dspark.cli import main
 from dspark.errors import DSparkError
-from dspark.evaluation.calibration import load_sts_json
+from dspark.scheduler.sts import load_sts_json
 from dspark.data.eval_sets import token_dataset
 from dspark.evaluation.runner import EvalSettings, aggregate, read_records
 from tests.evaluation.test_runner import OracleConfidenceDrafter, _record

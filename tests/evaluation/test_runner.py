@@ -27,10 +27,11 @@ from dspark.data.eval_sets import (
     read_first_turns,
     token_dataset,
 )
-from dspark.evaluation.metrics import AcceptanceStats
-from dspark.evaluation.runner import ConfidencePolicy, EvalSettings, aggregate, evaluate, read_records
+from dspark.evaluation.runner import EvalSettings, aggregate, evaluate, read_records
 from dspark.evaluation.sweep import parse_thresholds, sweep_rows, sweep_thresholds
+from dspark.generation.stats import AcceptanceStats
 from dspark.sampling.processing import logits_to_probs, sample_from_probs
+from dspark.scheduler.confidence import ConfidenceAdapter
 from dspark.scheduler.policies import StaticThreshold
 from tests.tiny import tiny_target
 
@@ -198,14 +199,14 @@ def test_evaluate_writes_outputs_and_resumes(tmp_path):
 def test_confidence_policy_adapter():
     block = DraftBlock(torch.zeros(2, 3, dtype=torch.long), torch.tensor([3, 2]), torch.zeros(2, 3, 5),
                        torch.tensor([[2.0, -2.0, 2.0], [2.0, 2.0, 0.0]]))
-    policy = ConfidencePolicy(StaticThreshold(0.5))
-    assert policy(block, []).tolist() == [1, 2]  # cut at the first sigmoid < 0.5, padding ignored
-    flat = ConfidencePolicy(StaticThreshold(0.85), temperatures=[4.0, 4.0, 4.0])  # sigmoid(0.5) = 0.62 < 0.85
-    assert flat(block, []).tolist() == [0, 0]
+    policy = ConfidenceAdapter(StaticThreshold(0.5))
+    assert policy.verify_len(block).tolist() == [1, 2]  # cut at the first sigmoid < 0.5, padding ignored
+    flat = ConfidenceAdapter(StaticThreshold(0.85), sts_temperatures=[4.0, 4.0, 4.0])  # sigmoid(0.5) = 0.62 < 0.85
+    assert flat.verify_len(block).tolist() == [0, 0]
     no_conf = DraftBlock(block.tokens, block.num_tokens, block.draft_probs)
-    assert policy(no_conf, []).tolist() == [3, 2]  # no confidence head: verify everything
+    assert policy.verify_len(no_conf).tolist() == [3, 2]  # no confidence head: verify everything
     with pytest.raises(DSparkError, match="confidence head"):
-        ConfidencePolicy(StaticThreshold(0.5), verify_all_without_confidences=False)(no_conf, [])
+        ConfidenceAdapter(StaticThreshold(0.5), fallback_confidence=None).verify_len(no_conf)
 
 
 def test_confidence_metrics_and_threshold_sweep(tmp_path):

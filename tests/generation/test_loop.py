@@ -98,3 +98,19 @@ def test_sampled_first_tokens_follow_target():
     tv2 = 0.5 * (torch.bincount(second, minlength=16) / n - marg2).abs().sum()
     # sampling noise for V=16, n=3000: E[TV] ~ 0.03; 0.07 is > 4 standard deviations
     assert tv1 < 0.07 and tv2 < 0.07, (tv1, tv2)
+
+
+def test_the_loop_takes_a_verify_policy_bare_or_adapted():
+    """``speculative_step`` runs any ``VerifyPolicy``; a bare one reads plain-sigmoid confidences."""
+    from dspark.scheduler.confidence import ConfidenceAdapter
+    from dspark.scheduler.policies import FixedLength
+
+    target = tiny_target(seed=2)
+    sp = SamplingParams(temperature=0.0, max_new_tokens=30)
+    ref = plain(target, PROMPTS, sp)
+    drafter = DraftModelDrafter(target.model, target.vocab_size, 4)  # always accepted: verify length shows
+    for policy in (FixedLength(1), ConfidenceAdapter(FixedLength(1))):
+        out = SpeculativeGenerator(target, drafter, policy=policy).generate(PROMPTS, sp)
+        assert [r.output_ids for r in out] == ref
+        assert all(r.stats.counts[p][a] == 0 for r in out for p in range(2, 5) for a in range(p + 1))
+        assert sum(r.stats.num_accepted for r in out) > 0

@@ -16,7 +16,9 @@ from dspark.generation.generator import SpeculativeGenerator
 from dspark.sampling.processing import SamplingParams
 from dspark.scheduler.sps import SPSTable
 from dspark.serving.engine import Engine, EngineClosedError, EngineConfig, QueueFullError
-from dspark.scheduler.adapter import PolicyError, SchedulerAdapter, make_policy, parse_policy
+from dspark.scheduler.adapter import make_policy, parse_policy
+from dspark.scheduler.confidence import ConfidenceAdapter
+from dspark.scheduler.policies import PolicyError
 from tests.tiny import tiny_target
 
 GAMMA = 4
@@ -191,19 +193,19 @@ def test_adapter_confidences_sts_and_fallback():
     tokens = torch.zeros(2, 3, dtype=torch.long)
     block = DraftBlock(tokens, torch.tensor([3, 1]), torch.zeros(2, 3, 5),
                        confidence_logits=torch.tensor([[0.0, 2.0, -2.0], [1.0, 1.0, 1.0]]))
-    raw = SchedulerAdapter(None).confidences(block)
+    raw = ConfidenceAdapter(None).confidences(block)
     assert torch.allclose(raw, torch.sigmoid(block.confidence_logits.double()))
-    scaled = SchedulerAdapter(None, sts_temperatures=[1.0, 2.0, 4.0, 8.0]).confidences(block)
+    scaled = ConfidenceAdapter(None, sts_temperatures=[1.0, 2.0, 4.0, 8.0]).confidences(block)
     assert torch.allclose(scaled, torch.sigmoid(block.confidence_logits.double() / torch.tensor([1.0, 2.0, 4.0])))
     block.confidence_logits = None
-    assert torch.equal(SchedulerAdapter(None, fallback_confidence=0.3).confidences(block), torch.full((2, 3), 0.3,
-                                                                                                      dtype=torch.float64))
+    fallback = ConfidenceAdapter(None, fallback_confidence=0.3).confidences(block)
+    assert torch.equal(fallback, torch.full((2, 3), 0.3, dtype=torch.float64))
     # threshold above the fallback verifies nothing, below it everything
-    assert make_policy("threshold:0.5", fallback_confidence=0.3)(block, []).tolist() == [0, 0]
-    assert make_policy("threshold:0.2", fallback_confidence=0.3)(block, []).tolist() == [3, 1]
-    assert make_policy("fixed:2")(block, []).tolist() == [2, 1]
+    assert make_policy("threshold:0.5", fallback_confidence=0.3).verify_len(block).tolist() == [0, 0]
+    assert make_policy("threshold:0.2", fallback_confidence=0.3).verify_len(block).tolist() == [3, 1]
+    assert make_policy("fixed:2").verify_len(block).tolist() == [2, 1]
     with pytest.raises(PolicyError):
-        SchedulerAdapter(None, fallback_confidence=1.5)
+        ConfidenceAdapter(None, fallback_confidence=1.5)
 
 
 def test_stats_track_batches(target, drafter):
@@ -237,3 +239,36 @@ def test_dspark_drafter_confidence_head_through_the_engine(target):
             assert [h.result(30)[0] for h in handles] == expected, policy
             verify[policy] = engine.stats().avg_verify_len
     assert verify["threshold:0.5"] < verify["all"] and verify["alg1"] < verify["all"]
+
+
+@pytest.mark.parametrize("policy", ["threshold:0.7", "alg1"])  # STS cannot move a 0.5 threshold's cut
+def test_eval_and_serve_schedule_a_drafter_alike(target, drafter, policy):
+    """``evaluate`` (policy + STS temperatures per drafter) and the engine (``make_policy``) share one adapter.
+
+    Greedy decoding, one request at a time on both sides: the same confidences must give the same
+    verify length at every step, so the per-step (verified, accepted) histograms are equal.
+    Negative control: eval without the STS temperatures schedules differently.
+    """
+    from dspark.data.eval_sets import token_dataset
+    from dspark.evaluation.runner import evaluate
+    from dspark.generation.stats import AcceptanceStats
+    from dspark.scheduler.adapter import build_scheduler
+
+    sts = [1.0, 3.0, 0.3, 1.0]
+    datasets = [token_dataset("gsm8k", PROMPTS)]
+
+    def eval_counts(temperatures):
+        res = evaluate(target, {"d": drafter}, datasets, temperature=0.0, max_new_tokens=16,
+                       policy=build_scheduler(parse_policy(policy), SPS), temperatures=temperatures,
+                       progress=False, write_outputs=False)
+        return res["drafters"]["d"]["benchmarks"]["gsm8k"]["stats"]["counts"]
+
+    served = AcceptanceStats(GAMMA)
+    with Engine(target, drafter, make_policy(policy, SPS, sts), EngineConfig(max_batch=1)) as engine:
+        for p in PROMPTS:
+            handle = engine.submit(p, SamplingParams(0.0, max_new_tokens=16))
+            handle.result(30)
+            served.merge(handle.stats)
+    assert served.num_proposed < GAMMA * served.num_steps  # the policy really cut some blocks
+    assert eval_counts({"d": sts}) == served.counts
+    assert eval_counts(None) != served.counts

@@ -24,7 +24,8 @@ from dspark.serving.engine import Engine, EngineConfig
 from dspark.bench.serve_load import run_point, write_report
 from dspark.serving.metrics import metric_sum, parse_prometheus
 from dspark.scheduler.adapter import make_policy
-from dspark.serving.server import ServerConfig, ServerThread, TextStream, create_app
+from dspark.serving.server import ServerConfig, ServerThread, create_app
+from dspark.serving.text import TextStream
 from tests.tiny import tiny_target
 
 MODEL = "tiny-smollm2"
@@ -177,6 +178,47 @@ def test_bad_completion_requests(server, body, status, param):
     assert resp.status_code == status, resp.text
     error = resp.json()["error"]
     assert error["message"] and error["param"] is not None and error["param"].startswith(param)
+
+
+@pytest.mark.parametrize("path, raw, param", [
+    ("completions", b'{"prompt": "abc\\ud800"}', "prompt"),
+    ("completions", b'{"prompt": "abc", "model": "x\\udc00"}', "model"),
+    ("completions", b'{"prompt": "abc", "stop": ["\\ud800"]}', "stop"),
+    ("chat/completions", b'{"messages": [{"role": "user", "content": "hi \\ud83d"}]}', "messages"),
+])
+def test_lone_surrogates_are_shaped_400s(server, path, raw, param):
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    resp = httpx.post(f"{server.url}/v1/{path}", content=raw, headers=headers)
+    assert resp.status_code == 400 and resp.headers["content-type"].startswith("application/json"), resp.text
+    assert resp.json()["error"]["param"].startswith(param)
+
+
+@pytest.fixture(scope="module")
+def strict_server(target):
+    """A server with small limits: 2,000-byte bodies, 24-token prompts."""
+    engine = Engine(target, None, None, EngineConfig(max_batch=2, max_queue=2))
+    config = ServerConfig(model_name=MODEL, default_max_tokens=4, max_body_bytes=2000, max_prompt_tokens=24)
+    with ServerThread(create_app(engine, target.tokenizer, config)) as srv:
+        yield srv
+
+
+def test_body_and_prompt_limits(strict_server):
+    url = f"{strict_server.url}/v1/completions"
+    big = json.dumps({"prompt": "x" * 5000}).encode()
+    declared = httpx.post(url, content=big, headers={"Content-Type": "application/json"})
+    assert declared.status_code == 413 and declared.json()["error"]["code"] == "request_too_large"
+
+    def chunks():  # no Content-Length: counted as it arrives
+        for i in range(0, len(big), 500):
+            yield big[i : i + 500]
+
+    streamed = httpx.post(url, content=chunks(), headers={"Content-Type": "application/json"})
+    assert streamed.status_code == 413 and streamed.json()["error"]["code"] == "request_too_large"
+    long_prompt = httpx.post(url, json={"prompt": " ".join(["word"] * 60)})
+    assert long_prompt.status_code == 400 and long_prompt.json()["error"]["code"] == "prompt_too_long"
+    ok = httpx.post(url, json={"prompt": "hello there", "temperature": 0})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
+    assert httpx.get(f"{strict_server.url}/health").json() == {"status": "ok"}
 
 
 def test_bad_chat_requests(client):

@@ -107,7 +107,7 @@ def test_logits_for_last_and_none_in_a_batch(tiny):
 
 
 @pytest.mark.parametrize(("num_layers", "expected"), [
-    (36, [1, 9, 17, 25, 33]),  # Qwen3-4B/8B: DeepSpec's target_layer_ids (interop-facts §1)
+    (36, [1, 9, 17, 25, 33]),  # Qwen3-4B/8B: DeepSpec's target_layer_ids (docs/interop.md §Training configs)
     (40, [1, 10, 19, 28, 37]),  # Qwen3-14B
     (30, [1, 8, 14, 20, 27]),  # SmolLM2-135M
 ])

@@ -1,4 +1,4 @@
-"""Training blocks (dspark.drafters.dspark.blocks) against hand-written expectations (interop-facts §2)."""
+"""Training blocks (dspark.drafters.dspark.blocks) against hand-written expectations (docs/conventions.md §Blocks and slots)."""
 
 from __future__ import annotations
 

@@ -12,7 +12,6 @@ from dspark.drafters.losses import (
     chunked_row_terms,
     chunked_soft_cross_entropy,
     confidence_bce,
-    eagle3_step_weight,
     position_weights,
     row_terms,
     soft_acceptance,
@@ -20,6 +19,7 @@ from dspark.drafters.losses import (
     tau_estimate,
     weighted_mean,
 )
+from dspark.drafters.eagle3.loss import eagle3_step_weight
 
 
 def test_position_weights_exp_decay_times_eval_mask():

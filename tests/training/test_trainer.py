@@ -10,7 +10,9 @@ import torch
 from dspark.training.config import (
     TrainConfig, TrainConfigError, build_model_config, config_from_dict, load_config, preset_names,
 )
-from dspark.training.trainer import DataOrder, drafter_class, latest_checkpoint, lr_multiplier, train
+from dspark.drafters.registry import kind_entry
+from dspark.training.checkpoints import latest_checkpoint
+from dspark.training.trainer import DataOrder, lr_multiplier, train
 from tests.tiny import tiny_target
 
 TINY_DSPARK = {"block_size": 4, "num_anchors": 8, "markov_rank": 16}
@@ -82,8 +84,8 @@ def test_checkpoint_layout_latest_symlink_and_summary(tmp_path):
     again = load_config(str(out / "step_4" / "train_config.json"))
     assert again.model == TINY_DSPARK and again.max_steps == 4
     # the saved drafter reloads with the trained weights
-    reloaded = drafter_class("dspark").from_checkpoint(out / "step_4", target)
-    fresh = drafter_class("dspark").from_target(target, build_model_config(tiny_cfg(out), target.default_layer_ids()))
+    reloaded = kind_entry("dspark").model_class.from_checkpoint(out / "step_4", target)
+    fresh = kind_entry("dspark").model_class.from_target(target, build_model_config(tiny_cfg(out), target.default_layer_ids()))
     assert not torch.equal(reloaded.fc.weight, fresh.fc.weight)
     summary = json.loads((out / "train_summary.json").read_text())
     assert summary["steps"] == 4 and summary["stopped_by"] == "max_steps"
@@ -245,3 +247,16 @@ def test_time_budget_run_uses_the_time_schedule(tmp_path):
     lrs = [m[s]["lr"] for s in steps]
     assert len(steps) > 20, steps
     assert max(lrs) > 0.5e-3 and lrs[-1] < 0.2e-3, lrs
+
+
+def test_train_cli_drafter_choices_come_from_the_registry(capsys):
+    from dspark.cli import main
+    from dspark.drafters.registry import KIND_NAMES
+
+    assert main(["train", "--config", "smollm2-dspark-markov", "--drafter", "dflash", "--print-config"]) == 0
+    assert json.loads(capsys.readouterr().out)["drafter"] == "dflash"
+    with pytest.raises(SystemExit):
+        main(["train", "--config", "smollm2-dspark-markov", "--drafter", "medusa"])
+    assert "{" + ",".join(KIND_NAMES) + "}" in capsys.readouterr().err
+    with pytest.raises(TrainConfigError, match="drafter must be one of dspark, dflash, eagle3, draft-lm"):
+        TrainConfig(drafter="medusa")

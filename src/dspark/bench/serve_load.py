@@ -30,25 +30,14 @@ from pathlib import Path
 
 import httpx
 
+from dspark.data.eval_sets import find_eval_dir
 from dspark.serving.metrics import metric_sum, parse_prometheus
+from dspark.tables import Column, fmt, records_table
 
 EVAL_SETS = ("gsm8k", "mt-bench", "humaneval", "math500", "mbpp", "arena-hard-v2", "livecodebench", "aime25")
 
 
 # =============================================================== prompts
-def find_eval_dir() -> Path | None:
-    """``$DSPARK_EVAL_DIR``, else ``shared/data/eval`` next to or above the working dir / the repo."""
-    env = os.environ.get("DSPARK_EVAL_DIR")
-    if env:
-        return Path(env)
-    repo = Path(__file__).resolve().parents[3]
-    for base in (Path.cwd(), Path.cwd().parent, repo, repo.parent):
-        candidate = base / "shared" / "data" / "eval"
-        if candidate.is_dir():
-            return candidate
-    return None
-
-
 def _first_turn(line: str, where: str) -> str:
     record = json.loads(line)
     if isinstance(record.get("turns"), list) and record["turns"]:
@@ -70,8 +59,6 @@ def load_prompts(path: str | Path | None = None, limit: int = 256) -> list[str]:
             raise ValueError(f"prompt file {path} has no prompts")
         return prompts
     folder = find_eval_dir()
-    if folder is None:
-        raise ValueError("no evaluation sets found (shared/data/eval); pass --prompts FILE or set DSPARK_EVAL_DIR")
     per_set = []
     for name in EVAL_SETS:
         f = folder / f"{name}.jsonl"
@@ -234,7 +221,7 @@ def run_sweep(cfg: SweepConfig, log=print) -> tuple[list[dict], dict]:
 
     from dspark.drafters.options import DraftingOptions
     from dspark.drafters.registry import load_drafter
-    from dspark.evaluation.calibration import load_sts_json
+    from dspark.scheduler.sts import load_sts_json
     from dspark.scheduler.profile import load_or_profile
     from dspark.serving.engine import Engine, EngineConfig
     from dspark.scheduler.adapter import make_policy, parse_policy
@@ -265,8 +252,19 @@ def run_sweep(cfg: SweepConfig, log=print) -> tuple[list[dict], dict]:
 
 
 # =============================================================== report
-def _fmt(value, digits: int = 2) -> str:
-    return "-" if value is None else f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+# (column title, row -> cell text) of serve_load.md
+COLUMNS: list[Column] = [
+    ("policy", lambda r: r["policy"]),
+    ("concurrency", lambda r: str(r["concurrency"])),
+    ("requests", lambda r: str(r["requests"])),
+    ("total tok/s", lambda r: fmt(r["total_tokens_per_s"], 1)),
+    ("per-user tok/s", lambda r: fmt(r["user_tokens_per_s"], 1)),
+    ("mean latency s", lambda r: fmt(r["mean_latency_s"])),
+    ("verify len", lambda r: fmt(r["avg_verify_len"])),
+    ("tau", lambda r: fmt(r["acceptance_length"])),
+    ("batch", lambda r: fmt(r["avg_batch_size"])),
+    ("errors", lambda r: str(r["errors"])),
+]
 
 
 def write_report(rows: list[dict], meta: dict, out_dir: str | Path, command: str = "") -> list[Path]:
@@ -287,16 +285,8 @@ def write_report(rows: list[dict], meta: dict, out_dir: str | Path, command: str
         "Closed-loop clients over HTTP on 127.0.0.1; verify length = draft tokens verified per request-step, "
         "tau = tokens committed per request-step (bonus included).",
         "",
-        "| policy | concurrency | requests | total tok/s | per-user tok/s | mean latency s | verify len | tau "
-        "| batch | errors |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        *records_table(COLUMNS, rows),
     ]
-    for r in rows:
-        lines.append(
-            f"| {r['policy']} | {r['concurrency']} | {r['requests']} | {_fmt(r['total_tokens_per_s'], 1)} | "
-            f"{_fmt(r['user_tokens_per_s'], 1)} | {_fmt(r['mean_latency_s'])} | {_fmt(r['avg_verify_len'])} | "
-            f"{_fmt(r['acceptance_length'])} | {_fmt(r['avg_batch_size'])} | {r['errors']} |"
-        )
     paths[1].write_text("\n".join(lines) + "\n")
     plotted = [r for r in rows if r["requests"]]
     if plotted:

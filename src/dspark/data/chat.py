@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from dspark.errors import DSparkError
 
-MIN_LOSS_TOKENS = 14  # DeepSpec drops samples with fewer supervised tokens (interop-facts §6)
+MIN_LOSS_TOKENS = 14  # DeepSpec drops samples with fewer supervised tokens (docs/interop.md §Training data files)
 
 
 def _template_kwargs(tokenizer) -> dict:
@@ -43,7 +43,7 @@ def _encode(tokenizer, text: str) -> list[int]:
 
 
 def render_prompt(tokenizer, user_message: str) -> list[int]:
-    """Token ids of a first-turn prompt as evaluation feeds it (interop-facts §3).
+    """Token ids of a first-turn prompt as evaluation feeds it (docs/interop.md §Evaluation protocol).
 
     One user message, no system prompt added by us (a template's own default stays),
     `add_generation_prompt=True`, `add_special_tokens=False`.

@@ -1,13 +1,13 @@
-"""`dspark data ...`: build training prompts and tokenize conversations (`regenerate` and `features`
-are registered from dspark.training.cli).
+"""`dspark data ...`: the offline training-data pipeline, every subcommand registered here.
 
 The main CLI calls `add_cli(subparsers)` with the object returned by `parser.add_subparsers()`.
 Typical pipeline:
 
     dspark data prompts --out data/prompts.jsonl --num 20000 --seed 0
-    dspark data regenerate ...            # answers the prompts with the target
+    dspark data regenerate --prompts data/prompts.jsonl --out data/regenerated.jsonl   # the target answers
     dspark data tokenize --in data/regenerated.jsonl --target smollm2-135m --out data/tok
-    dspark data features ...              # optional: cache the target's features
+    dspark data features --config smollm2-dspark-markov --data data/tok --out data/cache   # optional cache
+    dspark data vocab --data data/tok --out data/draft-vocab.json                         # optional
 """
 
 from __future__ import annotations
@@ -15,12 +15,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from dspark.errors import DSparkError
+from dspark.target.presets import DEFAULT_TARGET
+
 DEFAULT_MIX_SPEC = "math=0.4,code=0.3,chat=0.3"
 
 
 def _parse_weights(spec: str | None) -> dict[str, float] | None:
-    from dspark.errors import DSparkError
-
     if not spec:
         return None
     try:
@@ -34,7 +35,9 @@ def _overlap(value: str) -> float | None:
 
 
 def run_prompts(args: argparse.Namespace) -> None:
-    from dspark.data.prompts import build_prompt_set, default_sources, substitute_alpaca
+    from dspark.data.prompt_sources import default_sources
+    from dspark.data.prompts import build_prompt_set
+    from dspark.data.substitute import substitute_alpaca
 
     sources = default_sources(python_doc_dir=args.python_doc_dir, evals_path=args.evals_wheel,
                               weights=_parse_weights(args.source_weights))
@@ -47,18 +50,78 @@ def run_prompts(args: argparse.Namespace) -> None:
                                 sources=sources, max_eval_overlap=args.max_eval_overlap))
 
 
+def run_regenerate(args: argparse.Namespace) -> int:
+    from dspark.data.regenerate import error_path, regenerate
+    from dspark.target.model import load_target
+
+    target = load_target(args.target)
+    stats = regenerate(target, args.prompts, args.out, args.batch_size, args.max_new_tokens, args.temperature,
+                       args.top_p, args.top_k, args.seed, args.limit)
+    print(f"{args.out}: {stats.succeeded} regenerated, {stats.skipped} already done, {stats.failed} failed "
+          f"({error_path(args.out)}), {stats.new_tokens} new tokens")
+    return 0
+
+
 def run_tokenize(args: argparse.Namespace) -> None:
     from transformers import AutoTokenizer
 
-    from dspark.target.convert import resolve_model_path
     from dspark.data.tokenized import write_tokenized
+    from dspark.target.convert import resolve_model_path
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(args.target))
     print(write_tokenized(args.inputs, tokenizer, args.out, args.max_length, args.min_loss_tokens))
 
 
+# The fields `features --config` takes from a training config, with the defaults of
+# dspark.training.config.TrainConfig (tests/data/test_features.py checks that both read every preset alike).
+# Read here because data must not import training (docs/architecture.md).
+_CONFIG_FIELDS = {"target": DEFAULT_TARGET, "data": [], "max_length": 4096, "model": {}}
+
+
+def read_config_fields(name_or_path: str, overrides: list[str] = ()) -> dict:
+    """target, data, max_length and model of a training config (a JSON file or a bundled preset), after
+    ``--set KEY=VALUE`` overrides."""
+    from dspark.presets import apply_overrides, read_preset
+
+    raw = apply_overrides(read_preset(name_or_path), list(overrides))
+    fields = {key: raw.get(key, default) for key, default in _CONFIG_FIELDS.items()}
+    fields["model"] = dict(fields["model"] or {})
+    if isinstance(fields["data"], str):
+        fields["data"] = [fields["data"]]
+    return fields
+
+
+def run_features(args: argparse.Namespace) -> int:
+    from dspark.data.features import build_feature_cache, bytes_per_token
+    from dspark.data.tokenized import load_tokenized
+    from dspark.target.model import load_target
+
+    cfg = read_config_fields(args.config, args.overrides) if args.config else None
+    target = load_target(args.target or (cfg["target"] if cfg else DEFAULT_TARGET), tokenizer=False)
+    data = args.data or (cfg["data"] if cfg else None)
+    if not data:
+        raise DSparkError("dspark data features: give --data or a --config with 'data'")
+    if args.layer_ids:
+        layer_ids = [int(x) for x in args.layer_ids.split(",")]
+    elif cfg and cfg["model"].get("target_layer_ids"):
+        layer_ids = list(cfg["model"]["target_layer_ids"])
+    else:
+        layer_ids = target.default_layer_ids()
+    max_length = args.max_length or (cfg["max_length"] if cfg else None)
+    dataset = load_tokenized(list(data))
+    if args.limit is not None:
+        if args.limit < 1:
+            raise DSparkError("--limit must be >= 1")
+        dataset = [dataset[i] for i in range(min(args.limit, len(dataset)))]
+    out = build_feature_cache(target, dataset, layer_ids, args.out, max_length=max_length,
+                              max_shard_bytes=int(args.shard_gb * 2**30), source_paths=list(data))
+    print(f"{out}: {len(dataset)} sequences, target layers {layer_ids}, "
+          f"{bytes_per_token(target.hidden_size, len(layer_ids))} bytes/token")
+    return 0
+
+
 def run_vocab(args: argparse.Namespace) -> None:
-    from dspark.drafters.draft_vocab import write_draft_vocab
+    from dspark.data.vocab import write_draft_vocab
     from dspark.target.model import load_target
 
     ids, coverage, counts = write_draft_vocab(args.data, load_target(args.target), args.size, args.out)
@@ -67,8 +130,7 @@ def run_vocab(args: argparse.Namespace) -> None:
 
 
 def add_cli(subparsers) -> argparse.ArgumentParser:
-    """Register `dspark data {prompts,tokenize}` on the main CLI's subparsers."""
-    from dspark.target.presets import DEFAULT_TARGET
+    """Register `dspark data {prompts,regenerate,tokenize,features,vocab}` on the main CLI's subparsers."""
     from dspark.data.chat import MIN_LOSS_TOKENS
 
     data = subparsers.add_parser(
@@ -92,7 +154,7 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
                          help="the same seed reproduces the file (default: %(default)s)")
     prompts.add_argument("--eval-dir", type=Path, default=None, metavar="DIR",
                          help="folder of evaluation {\"turns\": [...]} JSONL files to stay disjoint from "
-                              "(default: $DSPARK_EVAL_DIR, else ../shared/data/eval next to the repository)")
+                              "(default: $DSPARK_EVAL_DIR, else the eight sets shipped with dspark)")
     prompts.add_argument("--max-eval-overlap", type=_overlap, default=0.5,
                          help="drop prompts sharing more than this share of their word 8-grams (numbers "
                               "masked) with the evaluation sets; 'off' disables (default: %(default)s)")
@@ -115,10 +177,24 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
                          help="size of the Alpaca substitute (default: %(default)s)")
     prompts.set_defaults(func=run_prompts)
 
-    # ---- `dspark data regenerate` and `dspark data features` are defined in dspark.training.cli ----
-    from dspark.training.cli import add_data_commands
-
-    add_data_commands(commands)
+    p = commands.add_parser(
+        "regenerate", help="re-answer training prompts with the target itself (self-distillation data)",
+        description="Each user turn is re-answered by the target in order, seeing the regenerated history; "
+        "system messages are kept, original assistant turns dropped. Output records keep the input fields "
+        "plus the new 'conversations' and \"status\": \"success\"; failures go to OUT_error.jsonl. Rerunning "
+        "the same command resumes (ids already in OUT are skipped). Sampling defaults follow DeepSpec.",
+    )
+    p.add_argument("--target", default=DEFAULT_TARGET, help="preset or HF folder (default: %(default)s)")
+    p.add_argument("--prompts", required=True, help="JSONL of {'id', 'conversations'} or {'turns'} records")
+    p.add_argument("--out", required=True, help="output JSONL (appended to; resumable)")
+    p.add_argument("--batch-size", type=int, default=8, help="conversations decoded together (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=1024, help="per assistant turn (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.7, help="(default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=0.8, help="(default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=20, help="(default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="base seed; each turn's seed is fixed by (seed, line, turn)")
+    p.add_argument("--limit", type=int, default=None, help="only the first N records")
+    p.set_defaults(func=run_regenerate)
 
     tokenize = commands.add_parser(
         "tokenize", help="tokenize regenerated conversations with the target's chat template",
@@ -137,6 +213,29 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     tokenize.add_argument("--min-loss-tokens", type=int, default=MIN_LOSS_TOKENS,
                           help="drop samples with fewer supervised tokens (default: %(default)s)")
     tokenize.set_defaults(func=run_tokenize)
+
+    p = commands.add_parser(
+        "features", help="cache the target's features for training (DeepSpec target-cache format, bf16)",
+        description="Runs the target over tokenized training data once and writes the hidden states of the "
+        "drafter's target layers plus the final-normed state (never logits) as a sharded, memory-mapped cache: "
+        "manifest.json, samples.idx, shard-NNNNN.bin. Disk use is 6 + 2H(n+1) bytes per token (SmolLM2-135M, "
+        "5 layers: 6,918 B). Rerun the same command to resume after an interruption. Train on it with "
+        "--set feature_source=cache --set cache_dir=OUT.",
+    )
+    p.add_argument("--config", default=None, metavar="FILE|PRESET",
+                   help="take target, data, max_length and target layer ids from a training config")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a field of --config (repeatable)")
+    p.add_argument("--target", default=None, help=f"preset or HF folder (default: the config's, else {DEFAULT_TARGET})")
+    p.add_argument("--data", nargs="+", default=None, help="tokenized dataset path(s) (default: the config's)")
+    p.add_argument("--out", required=True, help="cache folder (new, or an unfinished build to resume)")
+    p.add_argument("--layer-ids", default=None,
+                   help="comma-separated target layer ids (default: the config's model.target_layer_ids, else 5 "
+                   "layers spread from 1 to L-3)")
+    p.add_argument("--max-length", type=int, default=None, help="truncate sequences (default: the config's)")
+    p.add_argument("--shard-gb", type=float, default=64.0, help="largest shard file in GiB (default: %(default)s)")
+    p.add_argument("--limit", type=int, default=None, help="cache only the first N sequences")
+    p.set_defaults(func=run_features)
 
     vocab = commands.add_parser(
         "vocab", help="write a draft vocabulary: the N tokens the target generates most often",

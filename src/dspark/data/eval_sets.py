@@ -1,6 +1,9 @@
 """Evaluation prompt sets: the paper's eight benchmarks and any ``{"turns": [...]}`` JSONL.
 
-Protocol (DeepSpec's, interop-facts §3): the first turn of each record is the
+The eight sets ship with the package in ``dspark/data/eval`` (where they come from: its SOURCES.md);
+``--eval-dir DIR`` or ``$DSPARK_EVAL_DIR`` points every command at another folder of the same files.
+
+Protocol (DeepSpec's, docs/interop.md §Evaluation protocol): the first turn of each record is the
 prompt (one user message through the chat template); each benchmark is capped
 (``EVAL_CAPS``); a set longer than its cap is shuffled with
 ``random.Random(seed)`` and truncated; sample ``idx`` of the selection is
@@ -21,6 +24,7 @@ import json
 import os
 import random
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 
 from dspark.errors import DSparkError
@@ -34,7 +38,7 @@ DOMAINS: dict[str, tuple[str, ...]] = {
 }
 BENCHMARKS: tuple[str, ...] = tuple(name for names in DOMAINS.values() for name in names)
 
-# DeepSpec's per-benchmark caps (interop-facts §3, shared/data/eval/SOURCES.md)
+# DeepSpec's per-benchmark caps (docs/interop.md §Evaluation protocol, data/eval/SOURCES.md)
 EVAL_CAPS: dict[str, int] = {
     "gsm8k": 500, "math500": 500, "aime25": 30,
     "mbpp": 256, "humaneval": 164, "livecodebench": 500,
@@ -87,32 +91,29 @@ def domain_of(name: str) -> str:
 # --------------------------------------------------------------------------- files
 
 
-def _candidate_eval_dirs() -> list[Path]:
-    tried = []
-    if os.environ.get("DSPARK_EVAL_DIR"):
-        tried.append(Path(os.environ["DSPARK_EVAL_DIR"]).expanduser())
-    repo = Path(__file__).resolve().parents[3]  # src/dspark/data/eval_sets.py -> repository root
-    cwd = Path.cwd()
-    tried += [repo.parent / "shared" / "data" / "eval", repo / "shared" / "data" / "eval",
-              cwd / "shared" / "data" / "eval", cwd.parent / "shared" / "data" / "eval"]
-    return list(dict.fromkeys(tried))
+def packaged_eval_dir() -> Path:
+    """The eight evaluation sets shipped inside the package (``dspark/data/eval``, see its SOURCES.md)."""
+    return Path(str(resources.files("dspark.data").joinpath("eval")))
 
 
 def find_eval_dir(eval_dir: str | Path | None = None) -> Path:
-    """``eval_dir``, else ``$DSPARK_EVAL_DIR``, else ``shared/data/eval`` beside the repository or the CWD."""
+    """``eval_dir`` (``--eval-dir``), else ``$DSPARK_EVAL_DIR``, else the sets shipped with the package."""
     if eval_dir is not None:
         path = Path(eval_dir).expanduser()
         if not path.is_dir():
             raise DatasetError(f"--eval-dir {path} is not a folder of evaluation JSONL files")
         return path
-    tried = _candidate_eval_dirs()
-    for path in tried:
-        if path.is_dir() and any(path.glob("*.jsonl")):
-            return path
-    raise DatasetError(
-        "cannot find the evaluation sets; tried " + ", ".join(map(str, tried))
-        + ". Pass --eval-dir DIR or set DSPARK_EVAL_DIR to a folder with gsm8k.jsonl, mt-bench.jsonl, ..."
-    )
+    if os.environ.get("DSPARK_EVAL_DIR"):
+        path = Path(os.environ["DSPARK_EVAL_DIR"]).expanduser()
+        if not path.is_dir():
+            raise DatasetError(f"DSPARK_EVAL_DIR={path} is not a folder of evaluation JSONL files; "
+                               "point it at one, unset it to use the packaged sets, or pass --eval-dir DIR")
+        return path
+    path = packaged_eval_dir()
+    if not path.is_dir() or not any(path.glob("*.jsonl")):
+        raise DatasetError(f"the evaluation sets shipped with dspark are missing from {path}; reinstall dspark, "
+                           "or pass --eval-dir DIR (or set DSPARK_EVAL_DIR) to a folder with gsm8k.jsonl, ...")
+    return path
 
 
 def read_first_turns(path: str | Path) -> list[str]:

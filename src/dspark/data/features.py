@@ -3,10 +3,10 @@
 Online: ``compute_features`` runs the frozen target once over a sequence and
 returns the outputs of ``target_layer_ids`` (concatenated) and the final-normed
 hidden state. The drafter turns the latter into the target distribution with
-the frozen LM head, so d numbers per token are kept, never V logits (DESIGN.md §1.4).
+the frozen LM head, so d numbers per token are kept, never V logits (docs/conventions.md §Target distribution in training).
 
 Disk cache (``build_feature_cache`` / ``FeatureCacheDataset``): the sharded,
-memory-mapped layout of DeepSpec's target cache, version 2 (interop §6), so
+memory-mapped layout of DeepSpec's target cache, version 2 (docs/interop.md §Feature cache), so
 either tool can read the other's cache:
 
 - ``manifest.json``: version, num_samples, num_shards, target_layer_ids,

@@ -1,4 +1,4 @@
-"""Regenerate the assistant turns of training prompts with the target itself (DESIGN.md §4, interop §6).
+"""Regenerate the assistant turns of training prompts with the target itself (docs/conventions.md §Data, docs/interop.md §Training data files).
 
 The drafter should learn the target's own distribution, so every user turn is
 re-answered by the target, in order, each turn seeing the regenerated history.

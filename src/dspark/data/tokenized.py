@@ -149,6 +149,15 @@ class TokenizedDataset(Dataset):
         }
 
 
+def load_tokenized(paths: list[str | Path]) -> Dataset:
+    """One dataset over one or more tokenized folders (``dspark data tokenize`` output), in the given order."""
+    missing = [p for p in paths if not Path(p).exists()]
+    if missing:
+        raise DSparkError(f"training data {missing} not found; build it with `dspark data tokenize` first")
+    parts = [TokenizedDataset(p) for p in paths]
+    return parts[0] if len(parts) == 1 else torch.utils.data.ConcatDataset(parts)
+
+
 def pack_batches(dataset: TokenizedDataset | list[int], max_tokens: int, shuffle: bool = True,
                  seed: int = 0) -> list[list[int]]:
     """Index batches of similar length whose padded size (B × longest L) stays within `max_tokens`.

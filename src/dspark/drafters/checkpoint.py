@@ -1,6 +1,6 @@
 """Helpers shared by the trainable drafters (DSpark/DFlash, Eagle3): configs and checkpoints.
 
-Checkpoints use DeepSpec's layout (interop-facts §1): ``model.safetensors`` with
+Checkpoints use DeepSpec's layout (docs/interop.md §Drafter checkpoints): ``model.safetensors`` with
 no ``model.`` prefix and a ``config.json`` that is a copy of the target's HF
 config with ``architectures``, ``num_hidden_layers`` (the draft's) and the
 draft's own keys added at the top level.
@@ -44,6 +44,11 @@ _ARCH_PREFIX = {"qwen3": "Qwen3", "qwen2": "Qwen2", "llama": "Llama", "mistral":
 def arch_name(model_type: str, suffix: str) -> str:
     """``Qwen3DSparkModel`` for a Qwen3 target (DeepSpec), ``LlamaDSparkModel`` for Llama, ..."""
     return f"{_ARCH_PREFIX.get(model_type, 'Generic')}{suffix}"
+
+
+def arch_names(suffix: str) -> tuple[str, ...]:
+    """Every name ``arch_name`` gives with ``suffix`` (for the registry's table)."""
+    return tuple(f"{prefix}{suffix}" for prefix in (*_ARCH_PREFIX.values(), "Generic"))
 
 
 def spec_to_hf_config(spec: DecoderSpec) -> dict[str, Any]:
@@ -174,3 +179,11 @@ def init_weights(module: nn.Module, std: float, generator: torch.Generator | Non
             nn.init.normal_(m.weight, 0.0, std, generator=generator)
             if getattr(m, "bias", None) is not None:
                 nn.init.zeros_(m.bias)
+
+
+def finish_new_drafter(model: nn.Module, target, base: dict[str, Any], generator: torch.Generator | None) -> nn.Module:
+    """A new drafter made ready to train: random init of its own weights (std = the target's initializer_range),
+    the target's embedding and LM head copied in and frozen, cast to the target's dtype."""
+    init_weights(model, float(base.get("initializer_range", 0.02)), generator)
+    copy_frozen_embeddings(model, target)
+    return model.to(target.dtype)

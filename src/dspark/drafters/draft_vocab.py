@@ -8,6 +8,9 @@ set) computes U_k on those N rows only. Every other token gets probability 0 in
 the draft, which the rejection sampler handles like any other draft distribution:
 decoding stays lossless, only tokens outside the set can never be drafted.
 
+This module holds the file format (`save_draft_vocab`, `load_draft_vocab`); counting a tokenized
+training set and choosing the tokens is `dspark.data.vocab` (`dspark data vocab`).
+
 File: JSON {"format": "dspark-draft-vocab", "version": 1, "token_ids": [...] (most
 frequent first), "vocab_size": V, "coverage": share of counted tokens inside, ...}.
 """
@@ -17,36 +20,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
-
 from dspark.errors import DSparkError
 
 FORMAT = "dspark-draft-vocab"
-
-
-def count_tokens(data_dir: str | Path, vocab_size: int) -> np.ndarray:  # (V,) int64 counts of supervised tokens
-    from dspark.data.tokenized import TokenizedDataset
-
-    ds = TokenizedDataset(data_dir)
-    counts = np.zeros(vocab_size, dtype=np.int64)
-    for i in range(len(ds)):
-        item = ds[i]
-        ids = np.asarray(item["input_ids"])[np.asarray(item["loss_mask"]).astype(bool)]
-        if ids.size and int(ids.max()) >= vocab_size:
-            raise DSparkError(f"{data_dir}: token id {int(ids.max())} outside a vocabulary of {vocab_size}")
-        counts += np.bincount(ids, minlength=vocab_size)
-    return counts
-
-
-def build_draft_vocab(counts: np.ndarray, size: int, always: list[int] = ()) -> tuple[list[int], float]:
-    """The ``size`` most frequent token ids (ties by id), ``always`` included; and their share of ``counts``."""
-    if size < 1:
-        raise DSparkError(f"a draft vocabulary needs at least 1 token, got {size}")
-    order = np.lexsort((np.arange(counts.size), -counts))  # most frequent first, then lower id
-    keep = [int(t) for t in always if 0 <= int(t) < counts.size]
-    ids = keep + [int(t) for t in order if int(t) not in set(keep)][: max(0, size - len(keep))]
-    total = counts.sum()
-    return ids, float(counts[ids].sum() / total) if total else 0.0
 
 
 def save_draft_vocab(path: str | Path, ids: list[int], vocab_size: int, coverage: float, source: str) -> Path:
@@ -56,16 +32,6 @@ def save_draft_vocab(path: str | Path, ids: list[int], vocab_size: int, coverage
                                 "coverage": round(coverage, 6), "source": source, "token_ids": ids}) + "\n",
                     encoding="utf-8")
     return path
-
-
-def write_draft_vocab(data_dir: str | Path, target, size: int, out: str | Path) -> tuple[list[int], float, np.ndarray]:
-    """Count ``data_dir``'s answer tokens and save the ``size`` most frequent (the target's stop tokens always in).
-
-    Returns the ids, their coverage and the counts."""
-    counts = count_tokens(data_dir, target.vocab_size)
-    ids, coverage = build_draft_vocab(counts, size, sorted(target.eos_token_ids))
-    save_draft_vocab(out, ids, target.vocab_size, coverage, str(data_dir))
-    return ids, coverage, counts
 
 
 def load_draft_vocab(path: str | Path, vocab_size: int) -> list[int]:

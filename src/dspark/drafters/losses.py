@@ -1,17 +1,9 @@
-"""Drafter training losses: DSpark/DFlash (eqs. 8-12) and Eagle3's decayed soft cross-entropy.
+"""Loss maths shared by the drafter kinds' loss modules (``dspark/loss.py``, ``eagle3/loss.py``,
+``draft_lm/loss.py``): position weights, weighted means, per-row CE / L1 (eqs. 9-10), the
+confidence BCE (eq. 11), Eagle3's soft cross-entropy, the tau estimate.
 
-Shapes: A = blocks, G = block size (gamma), M = supervised rows (flattened
-(block, slot) pairs with a positive weight), V = vocabulary, H = hidden size,
-r = Markov rank.
-
-DSpark (DESIGN.md §1.4, interop-facts §2):
-- position weight w_k = exp(-k / g) * eval_mask, k = 0..G-1 (DeepSpec; the paper's
-  exp(-(k-1)/gamma) with 1-based k is g = gamma);
-- CE on the Markov-corrected, teacher-forced logits against the hard label, eq. (9);
-- L1 = sum_v |draft_probs - target_probs| (twice the total variation), eq. (10);
-- BCE-with-logits of the confidence head against the detached soft label
-  c* = clamp(1 - L1/2, 0, 1) = sum_v min(draft_probs, target_probs), eqs. (8), (11);
-- each term is sum(w * term) / sum(w); total = a_ce CE + a_l1 L1 + a_conf BCE, eq. (12).
+Shapes: A = blocks, G = block size (gamma), M = supervised rows, V = vocabulary,
+H = hidden size.
 
 V-sized tensors (logits, probabilities) are only built for supervised rows and in
 chunks of ``ROW_CHUNK`` rows under activation checkpointing, so memory stays
@@ -25,6 +17,7 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 #: rows of V-sized tensors materialised at once
@@ -51,6 +44,12 @@ def soft_acceptance(
 ) -> torch.Tensor:  # (...,)
     """Expected acceptance of one draft step, clamp(1 - ||draft - target||_1 / 2, 0, 1), eq. (8)."""
     return (1.0 - 0.5 * (draft_probs - target_probs).abs().sum(-1)).clamp(0.0, 1.0)
+
+
+def connected_zero(model: nn.Module) -> torch.Tensor:  # ()
+    """A zero loss that touches every trainable parameter (keeps DDP's gradient buckets complete)."""
+    params = list(model.trainable_parameters())
+    return sum((p.sum() * 0.0 for p in params), torch.zeros((), device=params[0].device))
 
 
 def weighted_mean(term: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:  # (...) x (...) -> ()
@@ -147,11 +146,6 @@ def chunked_soft_cross_entropy(
         z = hidden.new_zeros(0)
         return z, z
     return torch.cat(ces), torch.cat(accs)
-
-
-def eagle3_step_weight(step: int, step_loss_decay: float) -> float:
-    """Weight of training-time-test step ``step`` (0-based): decay ** step (0.8 in DeepSpec)."""
-    return float(step_loss_decay) ** step
 
 
 def tau_estimate(acceptance: torch.Tensor, mask: torch.Tensor) -> float:  # (A, G) x (A, G) -> scalar

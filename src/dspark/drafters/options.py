@@ -50,6 +50,12 @@ def add_drafter_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-vocab", default=None, metavar="FILE",
                    help="DSpark/DFlash draft only the tokens of this `dspark data vocab` file: their base logits "
                    "use those LM-head rows only (default: the whole vocabulary)")
+    p.add_argument("--hybrid", action="store_true",
+                   help="hybrid drafting: where the context already contains the last N tokens, draft what followed "
+                   "them (prompt lookup), elsewhere the trained drafter; still lossless (default: off)")
+    p.add_argument("--hybrid-min-ngram", type=_count, default=3, metavar="N",
+                   help="with --hybrid: the shortest repeated n-gram that switches a step to prompt lookup "
+                   "(default: %(default)s)")
 
 
 @dataclass(frozen=True)
@@ -59,6 +65,8 @@ class DraftingOptions:
     ``block_size``: drafts per step (None = the checkpoint's own; prompt lookup 7, a draft LM 4);
     ``head_top_m``: DSpark's sequential head drafts among the top M base tokens (None or 0 = all V);
     ``draft_vocab``: a `dspark data vocab` file, DSpark/DFlash draft only those tokens (None = all V);
+    ``hybrid``: draft the context's own continuation (prompt lookup, n-gram >= ``hybrid_min_ngram``) where
+    the context repeats itself and the trained drafter elsewhere (``dspark.drafters.hybrid``);
     ``dtype`` / ``compile``: how the target was loaded (the drafter follows the target's dtype).
     Every choice keeps decoding lossless; drafters that have no use for one ignore it.
     """
@@ -66,6 +74,8 @@ class DraftingOptions:
     block_size: int | None = None
     head_top_m: int | None = None
     draft_vocab: str | None = None
+    hybrid: bool = False
+    hybrid_min_ngram: int = 3
     dtype: str = "float32"
     compile: bool = False
 
@@ -74,6 +84,8 @@ class DraftingOptions:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.head_top_m is not None and self.head_top_m < 0:
             raise ValueError(f"head_top_m must be >= 0, got {self.head_top_m}")
+        if self.hybrid_min_ngram < 1:
+            raise ValueError(f"hybrid_min_ngram must be >= 1, got {self.hybrid_min_ngram}")
         if self.dtype not in DTYPE_NAMES:
             raise ValueError(f"dtype must be one of {DTYPE_NAMES}, got {self.dtype!r}")
 

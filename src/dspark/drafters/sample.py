@@ -6,8 +6,8 @@ F = n * H.
 ``target_features`` are the outputs of ``target_layer_ids`` (HF
 ``hidden_states[l + 1]``), concatenated in id order; ``target_last_hidden`` is
 the target's final-normed, pre-LM-head state. The target's distribution of
-token t+1 is ``softmax(lm_head(target_last_hidden[t]))`` (DESIGN.md §1.4: the
-drafter gets d numbers per token, never V).
+token t+1 is ``softmax(lm_head(target_last_hidden[t]))``: the drafter gets d
+numbers per token, never V (docs/conventions.md §Target distribution in training).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Sequential temperature scaling (STS) of the confidence head (DESIGN.md §1.2).
+"""Sequential temperature scaling (STS) of the confidence head (paper §3.2.1; docs/conventions.md §Confidence and STS).
 
 Shapes: N = speculative steps (rows), K = draft positions per block (gamma).
 
@@ -9,11 +9,12 @@ to minimise the ECE of a_k over the rows where draft k was verified, keeping
 the earlier temperatures fixed. Dividing by T_k > 0 is monotone, so STS never
 changes the order of confidences at a position.
 
-Files, in the formats SGLang reads (interop-facts §5):
+The fitted temperatures go to the STS file, which the scheduler reads
+(``dspark.scheduler.sts``: ``STSResult``, ``save_sts_json``, ``load_sts_json``,
+``apply_sts``).
 
-* STS JSON: ``{"temperatures": [K floats > 0], "dataset": str, "num_samples": int,
-  "ece_before": [K floats], "ece_after": [K floats]}`` (per-position ECEs, as
-  SGLang's ``DSparkStsCalibration`` types them).
+Files, in the format SGLang reads (docs/interop.md §STS file):
+
 * Confidence shards (``torch.save`` of plain tensors): ``logits`` float32 (N, K)
   and ``prefix_mask`` float32 (N, K) = 1 where drafts 0..k were all accepted
   (SGLang's key and meaning, so ``sglang.benchmark.dspark_sts_fit`` reads our
@@ -24,7 +25,6 @@ Files, in the formats SGLang reads (interop-facts §5):
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +42,7 @@ from dspark.evaluation.metrics import (
     sigmoid,
     to_numpy,
 )
+from dspark.scheduler.sts import STSResult
 
 
 def default_temperature_grid(num: int = 41, low: float = 0.1, high: float = 10.0) -> list[float]:
@@ -51,14 +52,6 @@ def default_temperature_grid(num: int = 41, low: float = 0.1, high: float = 10.0
     return np.logspace(math.log10(low), math.log10(high), num).tolist()
 
 
-@dataclass
-class STSResult:
-    temperatures: list[float]  # (K,) T_k > 0
-    ece_before: list[float]  # (K,) ECE of the survival at T = 1
-    ece_after: list[float]  # (K,) ECE of the survival with the fitted temperatures
-    num_samples: int  # N rows (speculative steps) used
-
-
 def fit_sts(
     conf_logits: ArrayLike,  # (N, K) raw confidence-head logits
     proposed_mask: ArrayLike,  # (N, K) bool: draft k was verified
@@ -66,7 +59,7 @@ def fit_sts(
     grid: Sequence[float] | None = None,  # candidate temperatures; default_temperature_grid()
     n_bins: int = DEFAULT_ECE_BINS,  # SGLang's fitter uses 15, DeepSpec's evaluator 20
 ) -> STSResult:
-    """Greedy sequential grid search of one temperature per position (DESIGN.md §1.2).
+    """Greedy sequential grid search of one temperature per position (docs/conventions.md §Confidence and STS).
 
     On equal ECE the first grid value wins (same rule as SGLang's fitter).
     """
@@ -107,59 +100,6 @@ def fit_sts(
         ece_after.append(min(errors))
         survival_fit = survival_fit * sigmoid(logits[:, k] / best_t)
     return STSResult(temperatures=temperatures, ece_before=ece_before, ece_after=ece_after, num_samples=n)
-
-
-def apply_sts(
-    conf_logits: torch.Tensor | np.ndarray,  # (..., K)
-    temperatures: Sequence[float],  # (K,)
-) -> torch.Tensor | np.ndarray:  # (..., K) calibrated per-step confidences c_k
-    """c_k = sigmoid(logit_k / T_k); the survival is their cumulative product over k."""
-    if conf_logits.shape[-1] != len(temperatures):
-        raise ValueError(f"conf_logits has {conf_logits.shape[-1]} positions but {len(temperatures)} temperatures")
-    if isinstance(conf_logits, torch.Tensor):
-        temps = torch.tensor(temperatures, dtype=conf_logits.dtype, device=conf_logits.device)
-        return torch.sigmoid(conf_logits / temps)
-    return sigmoid(np.asarray(conf_logits, dtype=np.float64) / np.asarray(temperatures, dtype=np.float64))
-
-
-# --------------------------------------------------------------------------- STS JSON
-
-
-def save_sts_json(path: str | Path, result: STSResult, dataset: str) -> None:
-    """Write the SGLang STS file (``--speculative-dspark-confidence-sts-path``)."""
-    payload = {
-        "temperatures": [float(t) for t in result.temperatures],
-        "dataset": dataset,
-        "num_samples": int(result.num_samples),
-        "ece_before": [float(e) for e in result.ece_before],
-        "ece_after": [float(e) for e in result.ece_after],
-    }
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=2, allow_nan=False) + "\n", encoding="utf-8")
-
-
-def load_sts_json(path: str | Path, block_size: int) -> list[float]:
-    """Read and validate an STS file; returns the K = ``block_size`` temperatures."""
-    path = Path(path)
-    try:
-        payload = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ValueError(f"STS file {path} does not exist; fit one first (STS calibration)") from None
-    except json.JSONDecodeError as err:
-        raise ValueError(f"STS file {path} is not valid JSON: {err}") from None
-    if not isinstance(payload, dict) or not isinstance(payload.get("temperatures"), list):
-        raise ValueError(f"STS file {path} must be a JSON object with a 'temperatures' list")
-    temps = payload["temperatures"]
-    if len(temps) != block_size:
-        raise ValueError(
-            f"STS file {path} has {len(temps)} temperatures but the drafter's block size is {block_size}; "
-            "refit STS for this drafter"
-        )
-    ok = all(isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t > 0 for t in temps)
-    if not ok:
-        raise ValueError(f"STS file {path}: temperatures must all be finite and > 0, got {temps}")
-    return [float(t) for t in temps]
 
 
 # --------------------------------------------------------------------------- shards

@@ -14,6 +14,7 @@ import argparse
 from pathlib import Path
 
 from dspark.errors import DSparkError
+from dspark.tables import fmt
 from dspark.data.eval_sets import DEFAULT_SEED, EvalDataset
 from dspark.drafters.options import DraftingOptions, add_drafter_options, add_target_options, load_target_from_args
 
@@ -49,7 +50,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--jsonl", action="append", default=[], metavar="[NAME=]FILE",
                    help="a JSONL of {\"turns\": [...]} records (first turn used); repeatable")
     p.add_argument("--eval-dir", default=None,
-                   help="folder with the benchmark JSONL files (default: $DSPARK_EVAL_DIR or shared/data/eval)")
+                   help="folder with the benchmark JSONL files (default: $DSPARK_EVAL_DIR, else the sets shipped with dspark)")
     p.add_argument("--limit", type=int, default=None, help="at most N samples per set (shuffled with --seed, then cut)")
     p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, help="(default: %(default)s)")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default: %(default)s)")
@@ -101,10 +102,6 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--out", default="runs/calibrate", help="output folder (default: %(default)s)")
     c.set_defaults(func=_calibrate)
 
-    from dspark.studies import reproduce
-
-    reproduce.add_cli(sub)  # `dspark reproduce`, until dspark.cli lists dspark.studies.reproduce itself (idempotent)
-
 
 # --------------------------------------------------------------------------- helpers
 
@@ -150,7 +147,7 @@ def _load(args: argparse.Namespace):
 
 def _eval(args: argparse.Namespace) -> int:
     from dspark.drafters.registry import load_drafter
-    from dspark.evaluation.calibration import load_sts_json
+    from dspark.scheduler.sts import load_sts_json
     from dspark.evaluation.report import tau_table
     from dspark.evaluation.runner import evaluate
     from dspark.evaluation.sweep import parse_thresholds, sweep_thresholds
@@ -197,7 +194,6 @@ def _eval(args: argparse.Namespace) -> int:
 
 def _calibrate(args: argparse.Namespace) -> int:
     from dspark.drafters.registry import load_drafter
-    from dspark.evaluation.report import fmt
     from dspark.evaluation.runner import calibrate
 
     datasets, heldout = heldout_datasets(args)

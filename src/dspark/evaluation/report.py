@@ -1,19 +1,21 @@
 """Markdown and JSON rendering of evaluation, calibration, sweep and ablation results.
 
 Pure functions of the results dicts that ``runner``, ``sweep`` and
-``reproduce`` write; no model code. ``docs_results_markdown`` assembles
+``reproduce`` write, and the files of an eval run (``write_results``,
+``load_results``); no model code. ``docs_results_markdown`` assembles
 ``docs/results.md`` from a reproduce run.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from dspark.data.eval_sets import DISPLAY_NAMES
-
-DASH = "–"
+from dspark.errors import DSparkError
+from dspark.tables import fmt, markdown_table
 
 
 def clean_json(x: Any) -> Any:
@@ -28,29 +30,6 @@ def clean_json(x: Any) -> Any:
         x = float(x)
         return None if math.isnan(x) else x
     return x
-
-
-def fmt(x: float | None, digits: int = 2) -> str:
-    return DASH if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
-
-
-def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]], bold_best: bool = False) -> list[str]:
-    """A Markdown table; with ``bold_best`` the highest number of each column after the first is bold."""
-    rows = [list(r) for r in rows]
-    if bold_best and len(rows) > 1:
-        for col in range(1, len(header)):
-            nums = []
-            for r in rows:
-                try:
-                    nums.append(float(r[col]))
-                except ValueError:
-                    nums.append(None)
-            best = max((n for n in nums if n is not None), default=None)
-            for r, n in zip(rows, nums):
-                if best is not None and n == best:
-                    r[col] = f"**{r[col]}**"
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|"]
-    return lines + ["| " + " | ".join(r) + " |" for r in rows]
 
 
 # --------------------------------------------------------------------------- evaluation
@@ -121,6 +100,36 @@ def results_markdown(results: Mapping[str, Any], figures: Sequence[str | Path] =
     return "\n".join(lines) + "\n"
 
 
+# --------------------------------------------------------------------------- evaluation files
+
+
+def write_results(results: Mapping[str, Any], out_dir: str | Path) -> list[Path]:
+    """results.json, results.md and one acceptance-curve PNG per domain (paper Fig. 2)."""
+    from dspark.evaluation.plots import plot_acceptance_curves
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    figures = []
+    for dom in results["domains"]:
+        curves = {name: res["domains"][dom]["per_position_acceptance"] for name, res in results["drafters"].items()}
+        curves = {n: c for n, c in curves.items() if c}  # a drafter that never proposed plots no points
+        if curves:
+            figures.append(plot_acceptance_curves(curves, out / f"acceptance_{dom}.png",
+                                                  title=f"Per-position conditional acceptance: {dom}"))
+    (out / "results.json").write_text(json.dumps(results, indent=2, allow_nan=False) + "\n", encoding="utf-8")
+    (out / "results.md").write_text(results_markdown(results, [str(f) for f in figures]), encoding="utf-8")
+    return [out / "results.json", out / "results.md", *figures]
+
+
+def load_results(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if path.is_dir():
+        path = path / "results.json"
+    if not path.is_file():
+        raise DSparkError(f"{path} does not exist; run `dspark eval` first")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
 # --------------------------------------------------------------------------- calibration
 
 
@@ -177,19 +186,6 @@ def sweep_markdown(rows: Sequence[Mapping[str, Any]], definition: str, figure: s
 
 
 # --------------------------------------------------------------------------- ablations
-
-
-def ablation_rows(points: Sequence[tuple[str, Any, Mapping[str, Any]]]) -> list[dict[str, Any]]:
-    """(series, x, results dict) -> rows {series, x, domain, acceptance_length} incl. domain 'overall'."""
-    rows = []
-    for series, x, results in points:
-        for name, res in results["drafters"].items():
-            for dom, summary in res["domains"].items():
-                rows.append({"series": series, "x": x, "drafter": name, "domain": dom,
-                             "acceptance_length": summary["acceptance_length"]})
-            rows.append({"series": series, "x": x, "drafter": name, "domain": "overall",
-                         "acceptance_length": res["overall"]["acceptance_length"]})
-    return rows
 
 
 def ablation_table(rows: Sequence[Mapping[str, Any]], x_name: str) -> list[str]:

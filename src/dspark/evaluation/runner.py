@@ -1,9 +1,11 @@
 """Offline acceptance evaluation: drafters x benchmarks -> tau tables, curves, confidence metrics.
 
-The protocol follows DeepSpec's evaluator (interop-facts §3): temperature 1.0,
+The protocol follows DeepSpec's evaluator (docs/interop.md §Evaluation protocol): temperature 1.0,
 one request per batch (``batch_size`` > 1 runs small static batches instead),
 sample ``idx`` decoded with seed ``seed + idx``, every proposed draft verified
-unless a verify policy (e.g. a static confidence threshold) is given.
+unless a verify policy (e.g. a static confidence threshold) is given; it reads
+the drafter's confidences through ``dspark.scheduler.confidence.ConfidenceAdapter``
+(with the drafter's STS temperatures), as generate and serve do.
 
 Files in ``out_dir``:
 
@@ -33,15 +35,19 @@ import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
-from dspark.drafters.base import DraftBlock, Drafter, RequestState
-from dspark.errors import DSparkError
 from dspark.data.eval_sets import DEFAULT_SEED, DOMAINS, EvalDataset, EvalSample
-from dspark.evaluation.metrics import AcceptanceStats, confidence_report
-from dspark.evaluation.report import clean_json, results_markdown
+from dspark.drafters.base import Drafter
+from dspark.errors import DSparkError
+from dspark.evaluation.metrics import confidence_report
+from dspark.evaluation.report import clean_json, write_results
+from dspark.generation.stats import AcceptanceStats
+from dspark.scheduler.confidence import ConfidenceAdapter
+from dspark.scheduler.policies import VerifyPolicy
+from dspark.scheduler.sts import save_sts_json
 
 DEFINITIONS = {
     "acceptance_length": "tau: tokens committed per verification cycle, bonus token included; per benchmark "
@@ -57,55 +63,6 @@ DEFINITIONS = {
     "confidence": "survival_k = prod_{j<=k} sigmoid(logit_j / T_j) against label 'drafts 0..k accepted', "
     "ECE over 20 equal-width bins, AUROC, Brier; 'raw' uses T = 1, 'sts' the given STS temperatures",
 }
-
-StepPolicy = Callable[[DraftBlock, list[RequestState]], torch.Tensor]  # -> verify_len (R,)
-
-
-# --------------------------------------------------------------------------- policies
-
-
-@dataclass
-class ConfidencePolicy:
-    """Adapts a scheduler policy (``choose(confidences, num_candidates)``) to the generator's callable.
-
-    confidences = sigmoid(confidence_logits / T_k) (STS when ``temperatures`` is
-    given). A block without confidence logits (a drafter without a confidence
-    head) is verified in full when ``verify_all_without_confidences``, else it
-    is an error.
-    """
-
-    policy: Any  # dspark.scheduler.policies.VerifyPolicy
-    temperatures: Sequence[float] | None = None  # (K,)
-    verify_all_without_confidences: bool = True
-
-    def __call__(self, block: DraftBlock, requests: list[RequestState]) -> torch.Tensor:  # (R,) int64
-        logits = block.confidence_logits  # (R, K) or None
-        if logits is None:
-            if not getattr(self.policy, "requires_confidences", True):
-                return self.policy.choose(None, block.num_tokens)
-            if self.verify_all_without_confidences:
-                return block.num_tokens.clone()
-            raise DSparkError(f"{self.policy} needs a drafter with a confidence head")
-        if self.temperatures is not None:
-            temps = torch.tensor(list(self.temperatures)[: logits.shape[1]], dtype=logits.dtype)
-            confidences = torch.sigmoid(logits / temps)  # (R, K)
-        else:
-            confidences = torch.sigmoid(logits)  # (R, K)
-        return self.policy.choose(confidences.float(), block.num_tokens)
-
-
-def describe_policy(policy: Any) -> str | None:
-    return None if policy is None else repr(policy)
-
-
-def _step_policy(policy: Any, temperatures: Sequence[float] | None) -> StepPolicy | None:
-    if policy is None:
-        return None
-    if hasattr(policy, "choose"):
-        return ConfidencePolicy(policy, temperatures)
-    if callable(policy):
-        return policy
-    raise TypeError(f"policy must be a scheduler policy with .choose() or a callable, got {type(policy)}")
 
 
 # --------------------------------------------------------------------------- records
@@ -203,7 +160,7 @@ def _confidence_payload(records: list[tuple[torch.Tensor, int]]) -> dict[str, li
 
 def run_samples(
     target, drafter: Drafter, name: str, dataset: EvalDataset, settings: EvalSettings,
-    records_path: Path | None, done: set[tuple[str, str, int, int]], policy: StepPolicy | None = None,
+    records_path: Path | None, done: set[tuple[str, str, int, int]], policy: ConfidenceAdapter | None = None,
     progress: bool = True, keep_confidence: bool = True,
 ) -> list[dict[str, Any]]:
     """Decode the samples of ``dataset`` not in ``done``; append and return their records."""
@@ -250,7 +207,7 @@ def evaluate(
     max_new_tokens: int = 2048,
     seed: int = DEFAULT_SEED,
     out_dir: str | Path | None = None,
-    policy: Any = None,  # scheduler policy (StaticThreshold, ...) or generator callable; None = verify all
+    policy: VerifyPolicy | None = None,  # StaticThreshold, ...; None = verify all
     *,
     batch_size: int = 1,
     top_k: int = 0,
@@ -278,7 +235,7 @@ def evaluate(
                           "with the same seed")
     temperatures = dict(temperatures or {})
     settings = EvalSettings(temperature, max_new_tokens, seed, top_k, top_p, batch_size,
-                            describe_policy(policy), getattr(target, "name", None))
+                            None if policy is None else repr(policy), getattr(target, "name", None))
     specs = {n: (drafter_specs or {}).get(n, type(d).__name__) for n, d in drafters.items()}
     out = Path(out_dir) if out_dir is not None else None
     records_path = None
@@ -289,7 +246,8 @@ def evaluate(
         records = read_records(records_path, repair=True)
     done = {record_key(r) for r in records}
     for name, drafter in drafters.items():
-        step_policy = _step_policy(policy, temperatures.get(name))
+        # the same adapter as generate and serve: STS temperatures, fallback 1.0 without a confidence head
+        step_policy = None if policy is None else ConfidenceAdapter(policy, temperatures.get(name))
         for dataset in datasets:
             records += run_samples(target, drafter, name, dataset, settings, records_path, done,
                                    step_policy, progress)
@@ -418,36 +376,6 @@ def aggregate(
     })
 
 
-# --------------------------------------------------------------------------- outputs
-
-
-def write_results(results: Mapping[str, Any], out_dir: str | Path) -> list[Path]:
-    """results.json, results.md and one acceptance-curve PNG per domain (paper Fig. 2)."""
-    from dspark.evaluation.plots import plot_acceptance_curves
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    figures = []
-    for dom in results["domains"]:
-        curves = {name: res["domains"][dom]["per_position_acceptance"] for name, res in results["drafters"].items()}
-        curves = {n: c for n, c in curves.items() if c}  # a drafter that never proposed plots no points
-        if curves:
-            figures.append(plot_acceptance_curves(curves, out / f"acceptance_{dom}.png",
-                                                  title=f"Per-position conditional acceptance: {dom}"))
-    (out / "results.json").write_text(json.dumps(results, indent=2, allow_nan=False) + "\n", encoding="utf-8")
-    (out / "results.md").write_text(results_markdown(results, [str(f) for f in figures]), encoding="utf-8")
-    return [out / "results.json", out / "results.md", *figures]
-
-
-def load_results(path: str | Path) -> dict[str, Any]:
-    path = Path(path)
-    if path.is_dir():
-        path = path / "results.json"
-    if not path.is_file():
-        raise DSparkError(f"{path} does not exist; run `dspark eval` first")
-    return json.loads(path.read_text(encoding="utf-8"))
-
-
 # --------------------------------------------------------------------------- calibration
 
 
@@ -511,7 +439,7 @@ def calibrate(
     progress: bool = True,
 ) -> dict[str, Any]:
     """Collect confidences on held-out prompts, fit STS, write sts.json, calibration.{json,md}, reliability.png."""
-    from dspark.evaluation.calibration import fit_sts, load_confidence_shards, save_sts_json
+    from dspark.evaluation.calibration import fit_sts, load_confidence_shards
     from dspark.evaluation.metrics import survival_by_position
     from dspark.evaluation.plots import plot_reliability
     from dspark.evaluation.report import calibration_markdown

@@ -19,11 +19,11 @@ import json
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from dspark.errors import DSparkError
 from dspark.data.eval_sets import DEFAULT_SEED, EvalDataset
-from dspark.evaluation.metrics import AcceptanceStats
+from dspark.errors import DSparkError
 from dspark.evaluation.report import clean_json, sweep_markdown
 from dspark.evaluation.runner import evaluate
+from dspark.generation.stats import AcceptanceStats
 
 SWEEP_DEFINITION = (
     "per domain, pooled over every step of the domain's benchmarks: verified_per_step = draft tokens verified / "

@@ -12,9 +12,11 @@ from dataclasses import dataclass, field
 import torch
 
 from dspark.drafters.base import Drafter, NoDrafter, RequestState
-from dspark.evaluation.metrics import AcceptanceStats
-from dspark.generation.step import StepTimings, VerifyPolicy, prefill, speculative_step
+from dspark.generation.stats import AcceptanceStats
+from dspark.generation.step import StepTimings, prefill, speculative_step
 from dspark.sampling.processing import SamplingParams
+from dspark.scheduler.confidence import ConfidenceAdapter
+from dspark.scheduler.policies import VerifyPolicy
 from dspark.target.model import TargetModel
 
 
@@ -31,10 +33,10 @@ class GenerationResult:
 
 class SpeculativeGenerator:
     def __init__(self, target: TargetModel, drafter: Drafter | None = None,
-                 policy: VerifyPolicy | None = None, draft_cap: int | None = None) -> None:
+                 policy: VerifyPolicy | ConfidenceAdapter | None = None, draft_cap: int | None = None) -> None:
         self.target = target
         self.drafter = drafter or NoDrafter(target.vocab_size)
-        self.policy = policy
+        self.policy = policy  # None = verify every proposed draft
         self.draft_cap = draft_cap
         self.timings = StepTimings()
 

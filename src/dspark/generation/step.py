@@ -2,7 +2,9 @@
 
 Both the offline generator (static batch) and the serving engine
 (continuous batching) call ``speculative_step``; nothing here knows about
-tokenisation or HTTP.
+tokenisation or HTTP. Verify lengths come from a ``VerifyPolicy`` through the
+one ``ConfidenceAdapter`` (confidence logits + STS temperatures -> confidences
+-> ``policy.choose``), whoever runs the step.
 
 Shapes: R = requests, K = most draft tokens verified this step, V = vocabulary,
 F = target-feature width.
@@ -12,18 +14,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
-from dspark.drafters.base import DraftBlock, Drafter, RequestState
+from dspark.drafters.base import Drafter, RequestState
 from dspark.modeling.kv_cache import KVCache
 from dspark.sampling.processing import logits_to_probs, sample_from_probs
 from dspark.sampling.rejection import rejection_sample
+from dspark.scheduler.confidence import ConfidenceAdapter
+from dspark.scheduler.policies import VerifyPolicy
 from dspark.target.model import TargetModel
-
-# (block, requests) -> verify_len (R,) int64: how many of each request's drafts to verify
-VerifyPolicy = Callable[[DraftBlock, list[RequestState]], torch.Tensor]
 
 
 @dataclass
@@ -98,7 +98,8 @@ def speculative_step(
     drafter: Drafter,
     requests: list[RequestState],  # active, unfinished; tokens[-1] is each anchor
     caches: list[KVCache],  # target caches holding tokens[:-1] of each request
-    policy: VerifyPolicy | None = None,  # None = verify every proposed draft
+    # None = verify every proposed draft; a bare VerifyPolicy reads plain-sigmoid confidences
+    policy: VerifyPolicy | ConfidenceAdapter | None = None,
     draft_cap: int | None = None,
 ) -> tuple[list[StepOutcome], StepTimings]:
     R = len(requests)
@@ -117,7 +118,7 @@ def speculative_step(
     elif policy is None:
         verify_len = block.num_tokens.clone()
     else:
-        verify_len = torch.minimum(policy(block, requests), block.num_tokens)
+        verify_len = torch.minimum(ConfidenceAdapter.of(policy).verify_len(block), block.num_tokens)
     vl = verify_len.tolist()
     K = max(vl, default=0)
 

@@ -1,4 +1,4 @@
-"""``--compile``: torch.compile the dense parts of every decoder layer (DESIGN.md §5, issue 6).
+"""``--compile``: torch.compile the dense parts of every decoder layer (docs/architecture.md §Making a step cheap).
 
 Attention stays eager: it reads per-request caches of different lengths, and the
 grouped-matmul path is already one matmul per request. What is compiled is what

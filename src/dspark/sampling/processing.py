@@ -5,7 +5,7 @@ Shapes: ``(..., V)`` — any leading dims, V = vocabulary size.
 Temperature 0 (or below ``GREEDY_EPS``) means greedy: the distribution is the
 one-hot vector of the argmax, so rejection sampling reduces to exact match.
 top-k and top-p are applied after temperature, to target and draft alike
-(DESIGN.md §2), so the verifier's target distribution is the processed one.
+(docs/conventions.md §Verification), so the verifier's target distribution is the processed one.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Shapes: R = requests in the batch, K = most draft tokens any request proposes
 this step, V = vocabulary size.
 
 Standard speculative sampling (Leviathan et al. 2023; Chen et al. 2023), with
-the conventions of DeepSpec and vLLM (interop-facts §3, "Verify"):
+the conventions of DeepSpec and vLLM (docs/conventions.md §Verification):
 
 - draft token k of request r, x = draft_tokens[r, k], is **accepted** if
   u_{r,k} < min(1, target_probs[r, k, x] / draft_probs[r, k, x]) and every

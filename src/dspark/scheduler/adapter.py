@@ -1,13 +1,10 @@
-"""Verify-length policies by name, adapted to ``speculative_step``'s policy hook.
+"""Verify-length policies by name: ``--policy`` strings -> ``ConfidenceAdapter``.
 
-Shapes: R = requests in the step, K = most draft tokens proposed this step.
-
-``speculative_step`` asks ``policy(block, requests) -> verify_len (R,)``; the
-scheduler policies (``dspark.scheduler.policies``) answer
-``choose(confidences (R, K) | None, num_candidates (R,))``. The adapter in
-between turns the drafter's raw confidence-head logits into calibrated
-per-step confidences c_{r,k} = sigmoid(logit_{r,k} / T_k) (eq. 7 with the
-STS temperatures T_k; plain sigmoid without an STS file) and calls the policy.
+``make_policy`` builds the policy (``dspark.scheduler.policies``) that a name
+stands for and wraps it in the one confidence adapter
+(``dspark.scheduler.confidence.ConfidenceAdapter``: confidence logits + STS
+temperatures -> calibrated confidences -> verify lengths) that the serving
+engine, the generator and the eval runner all use.
 
 Policy names (``--policy``):
 
@@ -20,14 +17,8 @@ Policy names (``--policy``):
 ``async``       §5.2 lagged-capacity top-K scheduler on the SPS table
 ==============  ===========================================================
 
-Drafters without a confidence head (prompt lookup, DFlash, draft models).
-Decision: they get the constant confidence ``fallback_confidence`` (default
-1.0) at every position. A constant does not depend on the drafts, so every
-policy stays lossless; with 1.0 ``threshold:T`` verifies everything and
-``alg1`` / ``async`` reduce to hardware-only planning (admit drafts while the
-SPS table says the extra batch tokens are worth it, which with no table is
-verify-all). Pass a smaller constant (e.g. the drafter's measured acceptance
-rate) to make the planner trim, or use ``fixed:N`` / ``all``.
+Drafters without a confidence head get the constant ``fallback_confidence``
+(see ``dspark.scheduler.confidence``).
 """
 
 from __future__ import annotations
@@ -35,25 +26,18 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
-
-from dspark.drafters.base import DraftBlock, RequestState
-from dspark.errors import DSparkError
-from dspark.evaluation.calibration import apply_sts
+from dspark.scheduler.confidence import ConfidenceAdapter
 from dspark.scheduler.policies import (
     AsyncTopKScheduler,
     FixedLength,
     GreedyPrefixScheduler,
+    PolicyError,
     StaticThreshold,
     VerifyPolicy,
 )
 from dspark.scheduler.sps import SPSTable
 
 POLICY_HELP = "all | fixed:N | threshold:T | alg1 | async"
-
-
-class PolicyError(DSparkError):
-    """A ``--policy`` value that cannot be parsed or used."""
 
 
 @dataclass(frozen=True)
@@ -118,58 +102,12 @@ def build_scheduler(spec: PolicySpec, sps_table: SPSTable | None = None) -> Veri
     return AsyncTopKScheduler(table)
 
 
-class SchedulerAdapter:
-    """``speculative_step``'s policy: block -> calibrated confidences -> ``scheduler.choose``.
-
-    Call it once per engine step (``AsyncTopKScheduler`` keeps a history of
-    steps). ``scheduler=None`` verifies every proposed draft.
-    """
-
-    def __init__(
-        self,
-        scheduler: VerifyPolicy | None,
-        sts_temperatures: list[float] | None = None,  # (gamma,) T_k; None = raw sigmoid
-        fallback_confidence: float = 1.0,  # for drafters without a confidence head
-        name: str = "",
-    ) -> None:
-        if not 0.0 <= fallback_confidence <= 1.0:
-            raise PolicyError(f"fallback confidence must lie in [0, 1], got {fallback_confidence}")
-        if sts_temperatures is not None and not all(t > 0 for t in sts_temperatures):
-            raise PolicyError(f"STS temperatures must be > 0, got {sts_temperatures}")
-        self.scheduler = scheduler
-        self.sts_temperatures = sts_temperatures
-        self.fallback_confidence = fallback_confidence
-        self.name = name or type(scheduler).__name__
-
-    def confidences(self, block: DraftBlock) -> torch.Tensor:  # (R, K) in [0, 1]
-        """c_{r,k} = sigmoid(logit_{r,k} / T_k) (eq. 7 + STS), or the constant fallback."""
-        R, K = block.tokens.shape
-        if block.confidence_logits is None:
-            return torch.full((R, K), self.fallback_confidence, dtype=torch.float64, device=block.tokens.device)
-        logits = block.confidence_logits[:, :K].double()  # (R, K)
-        if self.sts_temperatures is None:
-            return torch.sigmoid(logits)
-        if K > len(self.sts_temperatures):
-            raise PolicyError(
-                f"the drafter proposed {K} tokens but the STS file has {len(self.sts_temperatures)} "
-                "temperatures; refit STS for this drafter's block size"
-            )
-        return apply_sts(logits, self.sts_temperatures[:K])
-
-    def __call__(self, block: DraftBlock, requests: list[RequestState]) -> torch.Tensor:  # (R,) int64
-        num_candidates = block.num_tokens.to(torch.int64)  # (R,)
-        if self.scheduler is None or block.max_tokens == 0:
-            return num_candidates.clone()
-        conf = self.confidences(block) if self.scheduler.requires_confidences else None
-        return self.scheduler.choose(conf, num_candidates).to(torch.int64)
-
-
 def make_policy(
     name: str,
     sps_table: SPSTable | None = None,
     sts_temperatures: list[float] | None = None,
     fallback_confidence: float = 1.0,
-) -> SchedulerAdapter:
+) -> ConfidenceAdapter:
     """One call from a ``--policy`` string to the adapter the engine uses."""
     spec = parse_policy(name)
-    return SchedulerAdapter(build_scheduler(spec, sps_table), sts_temperatures, fallback_confidence, str(spec))
+    return ConfidenceAdapter(build_scheduler(spec, sps_table), sts_temperatures, fallback_confidence, str(spec))

@@ -29,12 +29,22 @@ from typing import ClassVar, Protocol, runtime_checkable
 
 import torch
 
+from dspark.errors import DSparkError
 from dspark.scheduler.sps import SPSTable
+
+
+class PolicyError(DSparkError):
+    """A verify policy that cannot be parsed or used (a ``--policy`` value, STS temperatures, a fallback)."""
 
 
 @runtime_checkable
 class VerifyPolicy(Protocol):
-    """Anything that chooses per-request verify lengths for one step."""
+    """The verify-length policy: chooses per-request verify lengths for one step.
+
+    The one policy type of the package: ``speculative_step`` (generate, eval,
+    serve) calls ``choose`` through ``dspark.scheduler.confidence.ConfidenceAdapter``,
+    which turns a draft block's confidence logits into ``confidences``.
+    """
 
     #: False if the policy works without a confidence head (``confidences=None``)
     requires_confidences: ClassVar[bool]

@@ -5,7 +5,7 @@ over a flattened batch of R requests x (gamma + 1) tokens (anchor + gamma
 drafts), logits for every position, against warm KV caches that already hold
 ``context_len`` tokens each; the caches are rolled back after every call so
 the context length stays fixed. This is SGLang's profiling grid
-(batch_tokens = running requests x (gamma + 1), interop-facts §5); ``dense``
+(batch_tokens = running requests x (gamma + 1), docs/interop.md §SPS table); ``dense``
 also times every token count in between (R = ceil(B / (gamma + 1)) requests,
 the last one shorter), which makes the floor-step lookup exact between the
 SGLang samples at the price of a longer profile.

@@ -6,7 +6,7 @@ tokens the target verifies in one forward pass (each request contributes its
 anchor plus its verified drafts). SPS(B) is profiled once at start-up and kept
 as a small table.
 
-File format: exactly SGLang's ``dspark_sps.json`` (interop-facts §5)::
+File format: exactly SGLang's ``dspark_sps.json`` (docs/interop.md §SPS table)::
 
     {"sample_batch_tokens": [1, 8, 16, ...],   # strictly increasing ints >= 1
      "sample_steps_per_sec": [52.1, 50.3, ...], # one positive float per sample

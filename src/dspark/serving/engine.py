@@ -39,10 +39,12 @@ from dataclasses import asdict, dataclass, field
 
 from dspark.drafters.base import Drafter, NoDrafter, RequestState
 from dspark.errors import DSparkError, PromptError
-from dspark.evaluation.metrics import AcceptanceStats
-from dspark.generation.step import VerifyPolicy, prefill, speculative_step
+from dspark.generation.stats import AcceptanceStats
+from dspark.generation.step import prefill, speculative_step
 from dspark.modeling.kv_cache import KVCache
 from dspark.sampling.processing import SamplingParams
+from dspark.scheduler.confidence import ConfidenceAdapter
+from dspark.scheduler.policies import VerifyPolicy
 from dspark.target.model import TargetModel
 
 log = logging.getLogger("dspark.serving")
@@ -215,7 +217,7 @@ class Engine:
     """Continuous batching around ``speculative_step``. Use as a context manager or start()/stop()."""
 
     def __init__(self, target: TargetModel, drafter: Drafter | None = None,
-                 policy: VerifyPolicy | None = None, config: EngineConfig | None = None) -> None:
+                 policy: VerifyPolicy | ConfidenceAdapter | None = None, config: EngineConfig | None = None) -> None:
         self.target = target
         self.drafter = drafter or NoDrafter(target.vocab_size)
         self.policy = policy  # None = verify every proposed draft

@@ -16,7 +16,12 @@ generated ids in each choice). Unknown fields are ignored; OpenAI features
 this server does not implement (logprobs, penalties, logit bias, tools, ...)
 are refused with 400 rather than silently dropped.
 
-Tokenisation lives here; the engine sees token ids only.
+Tokenisation lives here, in a worker thread (a huge prompt never blocks the
+event loop); the engine sees token ids only. No single client can stall the
+others: bodies over ``max_body_bytes`` get 413 before they are parsed, prompts
+over ``max_prompt_tokens`` get 400, text that is not valid Unicode (a lone
+UTF-16 surrogate) gets 400, and anything unexpected a JSON 500 in OpenAI's
+shape, never a text/plain traceback.
 """
 
 from __future__ import annotations
@@ -35,13 +40,22 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dspark.errors import PromptError
 from dspark.sampling.processing import SamplingParams
 from dspark.serving.engine import Engine, EngineClosedError, QueueFullError, RequestHandle
+from dspark.serving.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit, uvicorn_limits
 from dspark.serving.metrics import CONTENT_TYPE, render_prometheus
+from dspark.serving.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+    check_text,
+    refuse_unsupported,
+)
+from dspark.serving.text import TextStream
 
 MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
 MAX_STOP_STRINGS = 16
@@ -52,127 +66,8 @@ class ServerConfig:
     model_name: str
     api_key: str | None = None
     default_max_tokens: int = 256  # when a request gives no max_tokens (capped by the context)
-
-
-class APIError(Exception):
-    """An error answered in OpenAI's JSON shape."""
-
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-
-    def response(self) -> JSONResponse:
-        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        return JSONResponse(body, status_code=self.status, headers=headers)
-
-
-# =============================================================== request bodies
-class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    n: int | None = None
-    stream: bool = False
-    stream_options: dict[str, Any] | None = None
-    return_token_ids: bool = False
-    # OpenAI fields this server refuses when set to anything but their neutral value
-    logprobs: Any = None
-    top_logprobs: Any = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, Any] | None = None
-
-
-class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    echo: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
-
-
-class ChatCompletionRequest(_SamplingFields):
-    messages: list[dict[str, Any]]
-    max_completion_tokens: int | None = None
-    tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
-
-
-def _refuse_unsupported(req: _SamplingFields) -> None:
-    unsupported = {
-        "logprobs": req.logprobs not in (None, False, 0),
-        "top_logprobs": req.top_logprobs not in (None, 0),
-        "presence_penalty": req.presence_penalty not in (None, 0, 0.0),
-        "frequency_penalty": req.frequency_penalty not in (None, 0, 0.0),
-        "logit_bias": bool(req.logit_bias),
-        "echo": bool(getattr(req, "echo", False)),
-        "best_of": getattr(req, "best_of", None) not in (None, 1),
-        "suffix": bool(getattr(req, "suffix", None)),
-        "tools": bool(getattr(req, "tools", None)),
-        "response_format": (getattr(req, "response_format", None) or {}).get("type", "text") != "text",
-    }
-    for param, bad in unsupported.items():
-        if bad:
-            raise APIError(400, f"'{param}' is not supported by this server; remove it from the request", param=param)
-
-
-# =============================================================== text handling
-class TextStream:
-    """Incremental detokenisation with stop strings (best effort).
-
-    The whole generated sequence is decoded on every update and only the new
-    characters are sent; text that could be the start of a stop string, and a
-    trailing incomplete UTF-8 character, are held back until they resolve.
-    """
-
-    def __init__(self, tokenizer, stop: list[str]) -> None:
-        self.tokenizer = tokenizer
-        self.stop = [s for s in stop if s]
-        self.token_ids: list[int] = []
-        self.sent = 0  # characters of the decoded text already returned
-        self.stopped = False
-
-    def _decode(self) -> str:
-        return self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
-
-    def add(self, token_ids: list[int]) -> str:
-        """New text after ``token_ids``; sets ``stopped`` when a stop string appeared (text cut before it)."""
-        if self.stopped:
-            return ""
-        self.token_ids.extend(token_ids)
-        text = self._decode()
-        hits = [i for i in (text.find(s, max(0, self.sent - len(s) + 1)) for s in self.stop) if i >= 0]
-        if hits:
-            cut = max(min(hits), self.sent)
-            self.stopped = True
-            out, self.sent = text[self.sent : cut], cut
-            return out
-        safe = len(text.rstrip("\ufffd"))
-        for s in self.stop:  # hold back a suffix that may grow into a stop string
-            for k in range(min(len(s) - 1, safe), 0, -1):
-                if text[:safe].endswith(s[:k]):
-                    safe -= k
-                    break
-        if safe <= self.sent:
-            return ""
-        out, self.sent = text[self.sent : safe], safe
-        return out
-
-    def flush(self) -> str:
-        """The held-back rest at the end of generation."""
-        if self.stopped:
-            return ""
-        text = self._decode()
-        out, self.sent = text[self.sent :], len(text)
-        return out
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get 413 unread
+    max_prompt_tokens: int | None = None  # longer prompts get 400 (None: the model's context)
 
 
 # =============================================================== the app
@@ -188,7 +83,9 @@ def create_app(engine: Engine, tokenizer, config: ServerConfig, manage_engine: b
             await asyncio.to_thread(engine.stop)
 
     app = FastAPI(title="dspark", lifespan=lifespan)
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
     max_context = engine.target.max_context
+    max_prompt = min(config.max_prompt_tokens or max_context, max_context)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, err: APIError):
@@ -203,7 +100,12 @@ def create_app(engine: Engine, tokenizer, config: ServerConfig, manage_engine: b
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, err: StarletteHTTPException):
-        return APIError(err.status_code, str(err.detail), "invalid_request_error").response()
+        code = "request_too_large" if err.status_code == 413 else None
+        return APIError(err.status_code, str(err.detail), "invalid_request_error", code=code).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, err: Exception):
+        return APIError(500, f"internal error: {type(err).__name__}", "server_error").response()
 
     def check_auth(request: Request) -> None:
         if config.api_key is None:
@@ -215,12 +117,13 @@ def create_app(engine: Engine, tokenizer, config: ServerConfig, manage_engine: b
         if not hmac.compare_digest(token.strip().encode(), config.api_key.encode()):
             raise APIError(401, "incorrect API key provided", code="invalid_api_key")
 
-    def check_model(req: _SamplingFields) -> None:
+    def check_model(req: SamplingFields) -> None:
+        check_text(req.model, "model")
         if req.model is not None and req.model != config.model_name:
             raise APIError(404, f"the model '{req.model}' does not exist; this server serves '{config.model_name}'",
                            param="model", code="model_not_found")
 
-    def sampling_params(req: _SamplingFields, prompt_len: int, max_tokens: int | None) -> SamplingParams:
+    def sampling_params(req: SamplingFields, prompt_len: int, max_tokens: int | None) -> SamplingParams:
         if req.n not in (None, 1):
             raise APIError(400, "only n=1 is supported; send several requests instead", param="n")
         temperature = 1.0 if req.temperature is None else req.temperature
@@ -234,6 +137,9 @@ def create_app(engine: Engine, tokenizer, config: ServerConfig, manage_engine: b
         if top_k < 0:
             raise APIError(400, f"top_k must be >= 0 (or -1 for off), got {req.top_k}", param="top_k")
         room = max_context - prompt_len
+        if prompt_len > max_prompt and max_prompt < max_context:
+            raise APIError(400, f"the prompt has {prompt_len} tokens but this server accepts at most {max_prompt}",
+                           param="prompt", code="prompt_too_long")
         if prompt_len >= max_context:
             raise APIError(400, f"the prompt has {prompt_len} tokens but the model's context is {max_context} tokens; "
                            "shorten the prompt", param="prompt", code="context_length_exceeded")
@@ -252,13 +158,15 @@ def create_app(engine: Engine, tokenizer, config: ServerConfig, manage_engine: b
         seed = None if req.seed is None else req.seed % (2**63)
         return SamplingParams(temperature, top_k, top_p, max_tokens, seed, stop_ids)
 
-    def stop_strings(req: _SamplingFields) -> list[str]:
+    def stop_strings(req: SamplingFields) -> list[str]:
         stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        check_text(stops, "stop")
         if len(stops) > MAX_STOP_STRINGS:
             raise APIError(400, f"at most {MAX_STOP_STRINGS} stop strings are supported", param="stop")
         return stops
 
     def encode_prompt(req: CompletionRequest) -> list[int]:
+        check_text(req.prompt, "prompt")
         prompt = req.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
@@ -275,6 +183,7 @@ def create_app(engine: Engine, tokenizer, config: ServerConfig, manage_engine: b
     def encode_messages(req: ChatCompletionRequest) -> list[int]:
         if not req.messages:
             raise APIError(400, "messages is empty; send at least one message", param="messages")
+        check_text(req.messages, "messages")
         if not getattr(tokenizer, "chat_template", None):
             raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
         messages = []
@@ -346,10 +255,10 @@ def create_app(engine: Engine, tokenizer, config: ServerConfig, manage_engine: b
     def sse(payload: dict) -> str:
         return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
-    async def respond(request: Request, req: _SamplingFields, prompt_ids: list[int], max_tokens: int | None,
+    async def respond(request: Request, req: SamplingFields, prompt_ids: list[int], max_tokens: int | None,
                       chat: bool):
         check_model(req)
-        _refuse_unsupported(req)
+        refuse_unsupported(req)
         sampling = sampling_params(req, len(prompt_ids), max_tokens)
         stops = stop_strings(req)
         handle = submit(prompt_ids, sampling)
@@ -411,12 +320,16 @@ def create_app(engine: Engine, tokenizer, config: ServerConfig, manage_engine: b
     # ------------------------------------------------------------ routes
     @app.post("/v1/completions", dependencies=[Depends(check_auth)])
     async def completions(req: CompletionRequest, request: Request):
-        return await respond(request, req, encode_prompt(req), req.max_tokens, chat=False)
+        check_model(req)  # before the (threaded) tokenisation
+        prompt_ids = await asyncio.to_thread(encode_prompt, req)
+        return await respond(request, req, prompt_ids, req.max_tokens, chat=False)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(check_auth)])
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        return await respond(request, req, encode_messages(req), max_tokens, chat=True)
+        check_model(req)
+        prompt_ids = await asyncio.to_thread(encode_messages, req)
+        return await respond(request, req, prompt_ids, max_tokens, chat=True)
 
     @app.get("/v1/models", dependencies=[Depends(check_auth)])
     async def models(request: Request):
@@ -441,11 +354,12 @@ def create_app(engine: Engine, tokenizer, config: ServerConfig, manage_engine: b
 class ServerThread:
     """uvicorn in a background thread (tests, in-process benchmarks). Port 0 picks a free port."""
 
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning") -> None:
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
+                 **limits: Any) -> None:
         import uvicorn
 
         self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                                    lifespan="on", timeout_graceful_shutdown=5))
+                                                    lifespan="on", **{**uvicorn_limits(), **limits}))
         self.host = host
         self.port = port
         self._thread = threading.Thread(target=self.server.run, name="dspark-http", daemon=True)

@@ -13,35 +13,11 @@ import argparse
 import time
 from pathlib import Path
 
-from dspark.target.presets import DEFAULT_TARGET, dspark_home
-from dspark.drafters.options import DraftingOptions, add_drafter_options, add_target_options, load_target_from_args
+from dspark.target.presets import dspark_home
+from dspark.drafters.options import DraftingOptions, load_target_from_args
+from dspark.tables import fmt, markdown_table
 
 DEMO_SETS = ("gsm8k", "humaneval", "mt-bench")
-
-
-def add_cli(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "demo", help="end-to-end demo: prepare SmolLM2, get a DSpark drafter, compare decoding speed",
-        description="Reuses a drafter from --drafter, runs/smollm2-dspark-markov, runs/study/train-long/dspark-markov, "
-        "runs/study/train/dspark-markov or $DSPARK_HOME/demo; otherwise builds a small training set with the target and trains one for "
-        "--train-minutes. Then decodes a few evaluation prompts (greedy) and prints a table. Unlike the other "
-        "commands it defaults to the fastest CPU settings: --dtype bfloat16, --head-top-m 64 and a draft vocabulary "
-        "built from the drafter's training data.",
-    )
-    p.add_argument("--target", default=DEFAULT_TARGET, help="preset or HF folder (default: %(default)s)")
-    add_target_options(p)
-    p.add_argument("--drafter", default=None, help="a DSpark checkpoint folder to use instead of finding/training one")
-    add_drafter_options(p)
-    p.add_argument("--work-dir", default=None, help="where demo data and the demo drafter go (default: $DSPARK_HOME/demo)")
-    p.add_argument("--train-minutes", type=float, default=5.0, help="training time for a new demo drafter (default: %(default)s)")
-    p.add_argument("--num-train-prompts", type=int, default=96, help="prompts regenerated for training (default: %(default)s)")
-    p.add_argument("--prompts-per-set", type=int, default=2, help="evaluation prompts per benchmark (default: %(default)s)")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="per prompt (default: %(default)s)")
-    p.add_argument("--draft-vocab-size", type=int, default=4096, metavar="N",
-                   help="without --draft-vocab, build one of N tokens from the drafter's own training data "
-                   "(its train_config.json), 0 = draft from the whole vocabulary (default: %(default)s)")
-    # the fastest settings measured on a CPU (docs/performance.md); --dtype float32 / --head-top-m 0 undo them
-    p.set_defaults(func=run_demo, dtype="bfloat16", head_top_m=64)
 
 
 def _find_drafter(args: argparse.Namespace, work: Path) -> Path | None:
@@ -62,7 +38,7 @@ def _draft_vocab(args: argparse.Namespace, ckpt: Path, target, work: Path) -> st
     """--draft-vocab, else one built from the tokenized data the drafter was trained on (None if there is none)."""
     import json
 
-    from dspark.drafters.draft_vocab import write_draft_vocab
+    from dspark.data.vocab import write_draft_vocab
 
     if args.draft_vocab or args.draft_vocab_size <= 0:
         return args.draft_vocab
@@ -156,11 +132,10 @@ def run_demo(args: argparse.Namespace) -> int:
           f"{args.dtype}{', compiled' if args.compile else ''}; DSpark head over "
           f"{f'the top {top_m}' if top_m else 'all'} tokens, draft vocabulary of "
           f"{'all' if vocab is None else len(vocab)} tokens\n")
-    print("| decoding | acceptance length | tokens/s | speedup | same text as plain |")
-    print("|---|---|---|---|---|")
-    for label, tau, tps, same in rows:
-        cell = "yes" if same == len(prompts) else f"{same}/{len(prompts)} prompts"
-        print(f"| {label} | {tau:.2f} | {tps:.1f} | {tps / base:.2f}x | {cell} |")
+    table = [[label, fmt(tau), fmt(tps, 1), f"{fmt(tps / base)}x",
+              "yes" if same == len(prompts) else f"{same}/{len(prompts)} prompts"] for label, tau, tps, same in rows]
+    print("\n".join(markdown_table(["decoding", "acceptance length", "tokens/s", "speedup", "same text as plain"],
+                                   table)))
     exact = all(r[3] == len(prompts) for r in rows)
     if not exact and args.dtype != "float32":
         print("\nIn bfloat16 a verify block and a single decode step round differently, so a near-tied greedy choice "

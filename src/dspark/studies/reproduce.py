@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from dspark.errors import DSparkError
+from dspark.studies.ablations import LATEST, ablation_rows, block_series, depth_series
 
 
 @dataclass(frozen=True)
@@ -95,12 +96,6 @@ MAIN_DRAFTERS: tuple[tuple[str, str, str], ...] = (
 )
 CONFIDENCE_DRAFTERS = ("dspark-markov", "dspark-rnn")  # have a confidence head: calibrated
 SWEEP_DRAFTER = "dspark-markov"
-DEPTHS = (1, 2, 3, 4, 5)  # Fig. 3, block size 7
-DEPTH_BASELINE_LAYERS = 5  # Fig. 3 compares with a 5-layer DFlash
-BLOCK_SIZES = (3, 7, 11, 15)  # Fig. 4: gamma; draft length (gamma + anchor) 4, 8, 12, 16
-DEPTH_KEY = "model.num_draft_layers"
-BLOCK_KEY = "model.block_size"
-LATEST = "step_latest"  # the trainer's symlink to its newest checkpoint
 
 
 @dataclass
@@ -113,35 +108,6 @@ class Step:
     @property
     def command(self) -> str:
         return "dspark " + shlex.join(self.argv)
-
-
-@dataclass(frozen=True)
-class Series:
-    """One ablation drafter: how it is trained and where it sits on the figure."""
-
-    name: str
-    preset: str
-    kind: str
-    overrides: tuple[str, ...]
-    series: str  # legend entry
-    x: int  # depth, or draft length gamma + 1
-
-
-def depth_series() -> list[Series]:
-    rows = [Series(f"dspark-L{d}", "smollm2-dspark-markov", "dspark", (f"{DEPTH_KEY}={d}", f"{BLOCK_KEY}=7"),
-                   "DSpark (Markov)", d) for d in DEPTHS]
-    rows.append(Series(f"dflash-L{DEPTH_BASELINE_LAYERS}", "smollm2-dflash", "dflash",
-                       (f"{DEPTH_KEY}={DEPTH_BASELINE_LAYERS}", f"{BLOCK_KEY}=7"),
-                       f"DFlash ({DEPTH_BASELINE_LAYERS} layers)", DEPTH_BASELINE_LAYERS))
-    return rows
-
-
-def block_series(layers: int) -> list[Series]:
-    kinds = (("markov", "smollm2-dspark-markov", "dspark", "DSpark (Markov)"),
-             ("rnn", "smollm2-dspark-rnn", "dspark", "DSpark (RNN)"),
-             ("dflash", "smollm2-dflash", "dflash", "DFlash"))
-    return [Series(f"{short}-g{g}", preset, kind, (f"{BLOCK_KEY}={g}", f"{DEPTH_KEY}={layers}"), label, g + 1)
-            for short, preset, kind, label in kinds for g in BLOCK_SIZES]
 
 
 # --------------------------------------------------------------------------- plan
@@ -249,11 +215,22 @@ def _plan_after_data(steps: list[Step], budget: Budget, out: Path, target: str, 
 # --------------------------------------------------------------------------- running
 
 
+def plan_parser() -> argparse.ArgumentParser:
+    """A `dspark` parser of the commands a plan runs (data, train, eval, calibrate), registered as `dspark` does."""
+    from dspark.data import cli as data_cli
+    from dspark.evaluation import cli as evaluation_cli
+    from dspark.training import cli as training_cli
+
+    parser = argparse.ArgumentParser(prog="dspark")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for module in (data_cli, training_cli, evaluation_cli):
+        module.add_cli(sub)
+    return parser
+
+
 def check_commands(steps: Sequence[Step]) -> list[str]:
     """Parse every step with the real `dspark` parser; returns one message per step that does not parse."""
-    from dspark.cli import build_parser
-
-    parser = build_parser()
+    parser = plan_parser()
     problems = []
     for step in steps:
         err = io.StringIO()
@@ -324,23 +301,6 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
 
 
-def _ablation_rows(results: dict[str, Any] | None, series: Sequence[Series]) -> list[dict[str, Any]]:
-    if not results:
-        return []
-    by_name = {s.name: s for s in series}
-    rows = []
-    for name, res in results["drafters"].items():
-        s = by_name.get(name)
-        if s is None:
-            continue
-        for dom, summary in res["domains"].items():
-            rows.append({"series": s.series, "x": s.x, "domain": dom,
-                         "acceptance_length": summary["acceptance_length"]})
-        rows.append({"series": s.series, "x": s.x, "domain": "overall",
-                     "acceptance_length": res["overall"]["acceptance_length"]})
-    return rows
-
-
 def write_docs(out: str | Path, budget: Budget, docs_path: str | Path, command: str) -> Path:
     """docs/results.md (+ docs/figures/) from whatever the run has produced so far."""
     from dspark.evaluation.report import docs_results_markdown, plot_ablation
@@ -377,7 +337,7 @@ def write_docs(out: str | Path, budget: Budget, docs_path: str | Path, command: 
              ("block", f"Draft length gamma + 1 at {budget.block_ablation_layers} draft layer(s) (Fig. 4)",
               "draft length", block_series(budget.block_ablation_layers)))
     for label, title, x_name, series in specs:
-        rows = _ablation_rows(_read_json(out / "ablations" / label / "eval" / "results.json"), series)
+        rows = ablation_rows(_read_json(out / "ablations" / label / "eval" / "results.json"), series)
         if rows:
             ablations[title] = (x_name, rows)
             fig_dir.mkdir(parents=True, exist_ok=True)
@@ -398,50 +358,27 @@ def write_docs(out: str | Path, budget: Budget, docs_path: str | Path, command: 
     return docs_path
 
 
-# --------------------------------------------------------------------------- CLI
+# --------------------------------------------------------------------------- the whole study
 
 
-def add_cli(sub: argparse._SubParsersAction) -> None:
-    if "reproduce" in sub.choices:  # registered already (by dspark.cli or dspark.evaluation.cli)
-        return
-    from dspark.target.presets import DEFAULT_TARGET
-
-    p = sub.add_parser(
-        "reproduce", help="run the whole study (data, training, calibration, evaluation, figures, docs/results.md)",
-        description=__doc__.split("\n\n")[0] + "\n\nResumable: finished steps are skipped. Budgets: "
-        + "; ".join(f"{b.name}: {b.num_prompts} prompts, {b.train_time_s:g}s per drafter, eval limit "
-                    f"{b.eval_limit or 'caps'}" for b in BUDGETS.values()),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("--budget", choices=list(BUDGETS), default=DEFAULT_BUDGET, help="(default: %(default)s)")
-    p.add_argument("--out", default="runs/reproduce", help="working folder (default: %(default)s)")
-    p.add_argument("--target", default=DEFAULT_TARGET, help="target preset or HF folder (default: %(default)s)")
-    p.add_argument("--ablations", action="store_true", help="also the depth (Fig. 3) and block-size (Fig. 4) ablations")
-    p.add_argument("--data", default=None, metavar="TOKDIR",
-                   help="use this tokenized dataset (dspark data tokenize) instead of building one")
-    p.add_argument("--docs", default="docs/results.md", help="results page to write (default: %(default)s)")
-    p.add_argument("--dry-run", action="store_true", help="print the commands (with done/todo) and run nothing")
-    p.set_defaults(func=_reproduce)
-
-
-def _reproduce(args: argparse.Namespace) -> int:
-    budget = BUDGETS[args.budget]
-    steps = plan(budget, args.out, args.target, args.ablations, args.data)
-    command = f"dspark reproduce --budget {budget.name} --out {args.out}"
-    if args.data:
-        command += f" --data {args.data}"
-    if args.target != "smollm2-135m":
-        command += f" --target {args.target}"
-    if args.ablations:
+def run_study(budget: Budget, out: str | Path, target: str = "smollm2-135m", ablations: bool = False,
+              data_dir: str | Path | None = None, docs_path: str | Path = "docs/results.md",
+              dry_run: bool = False, log: Callable[[str], None] = print) -> Path | None:
+    """Plan, run (resumably) and write ``docs_path``; with ``dry_run`` list the commands only (returns None)."""
+    steps = plan(budget, out, target, ablations, data_dir)
+    command = f"dspark reproduce --budget {budget.name} --out {out}"
+    if data_dir:
+        command += f" --data {data_dir}"
+    if target != "smollm2-135m":
+        command += f" --target {target}"
+    if ablations:
         command += " --ablations"
-    if args.dry_run:
-        run_plan(steps, args.out, dry_run=True)
-        print(f"then: write {args.docs} from {args.out}")
-        return 0
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "plan.json").write_text(json.dumps(
+    if dry_run:
+        run_plan(steps, out, dry_run=True, log=log)
+        log(f"then: write {docs_path} from {out}")
+        return None
+    Path(out).mkdir(parents=True, exist_ok=True)
+    (Path(out) / "plan.json").write_text(json.dumps(
         {"command": command, "budget": asdict(budget), "steps": [asdict(s) for s in steps]}, indent=2) + "\n")
-    run_plan(steps, args.out)
-    docs = write_docs(args.out, budget, args.docs, command)
-    print(f"wrote {docs}")
-    return 0
+    run_plan(steps, out, log=log)
+    return write_docs(out, budget, docs_path, command)

@@ -33,7 +33,7 @@ class TargetOutput:
 
 
 def default_target_layer_ids(num_layers: int, count: int = 5) -> list[int]:
-    """``count`` layers spread evenly from layer 1 to L-3 (DESIGN.md §2)."""
+    """``count`` layers spread evenly from layer 1 to L-3 (docs/conventions.md §Context features)."""
     if num_layers < 4:
         return list(range(num_layers))[:count]
     last = num_layers - 3
@@ -101,7 +101,7 @@ class TargetModel:
         return TargetOutput(logits=logits, last_hidden=last_hidden, features=features)
 
     def encode_chat(self, user_message: str) -> list[int]:
-        """First-turn prompt: one user message through the chat template (interop §3)."""
+        """First-turn prompt: one user message through the chat template (docs/interop.md §Evaluation protocol)."""
         if not user_message or not user_message.strip():
             raise PromptError("the prompt is empty")
         tok = self.tokenizer

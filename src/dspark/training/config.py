@@ -2,9 +2,9 @@
 
 A config file is a JSON object whose keys are ``TrainConfig`` fields. Keys that
 start with ``_`` are comments (every preset opens with ``"_command"``, the exact
-command that runs it). ``model`` is a sub-dict mapped onto the drafter's own
-config class (``DSparkConfig`` for dspark/dflash, ``Eagle3Config`` for eagle3,
-``DraftLMConfig`` for draft-lm, the distilled independent draft LM);
+command that runs it). ``model`` is a sub-dict mapped onto the drafter kind's own
+config class (the registry's ``config_class``: ``DSparkConfig`` for dspark/dflash,
+``Eagle3Config`` for eagle3, ``DraftLMConfig`` for draft-lm, the distilled independent draft LM);
 dotted override keys reach into it (``--set model.block_size=7``). Unknown keys
 are errors, at both levels.
 
@@ -16,18 +16,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import types
 import typing
 from dataclasses import asdict, dataclass, field
-from importlib import resources
-from pathlib import Path
 from typing import Any
 
-from dspark.errors import DSparkError
 from dspark.drafters.options import DTYPE_NAMES
+from dspark.drafters.registry import KIND_NAMES, kind_entry
+from dspark import presets
+from dspark.errors import DSparkError
+from dspark.presets import preset_names, read_preset  # noqa: F401  (preset_names: re-exported for the CLI)
 
-DRAFTERS = ("dspark", "dflash", "eagle3", "draft-lm")
 FEATURE_SOURCES = ("online", "cache")
 DTYPES = DTYPE_NAMES
 
@@ -38,12 +37,12 @@ class TrainConfigError(DSparkError):
 
 @dataclass
 class TrainConfig:
-    drafter: str = "dspark"  # dspark | dflash | eagle3 | draft-lm
+    drafter: str = "dspark"  # a DrafterKind name: dspark | dflash | eagle3 | draft-lm
     target: str = "smollm2-135m"  # preset name or HF folder
     data: list[str] = field(default_factory=list)  # tokenized dataset path(s), for feature_source "online"
     out: str = "runs/train"
     model: dict[str, Any] = field(default_factory=dict)  # -> DSparkConfig / Eagle3Config / DraftLMConfig fields
-    # optimisation (DeepSpec defaults, interop §1)
+    # optimisation (DeepSpec defaults, docs/interop.md §Training configs)
     lr: float = 6e-4
     warmup_ratio: float = 0.04
     weight_decay: float = 0.0
@@ -79,8 +78,8 @@ class TrainConfig:
         def bad(msg: str) -> TrainConfigError:
             return TrainConfigError(f"training config: {msg}")
 
-        if self.drafter not in DRAFTERS:
-            raise bad(f"drafter must be one of {', '.join(DRAFTERS)}, got {self.drafter!r}")
+        if self.drafter not in KIND_NAMES:
+            raise bad(f"drafter must be one of {', '.join(KIND_NAMES)}, got {self.drafter!r}")
         if self.feature_source not in FEATURE_SOURCES:
             raise bad(f"feature_source must be one of {', '.join(FEATURE_SOURCES)}, got {self.feature_source!r}")
         if self.dtype not in DTYPES:
@@ -124,55 +123,13 @@ class TrainConfig:
 
 # ---------------------------------------------------------------- loading
 
-def preset_names() -> list[str]:
-    return sorted(p.name.removesuffix(".json") for p in resources.files("dspark").joinpath("configs").iterdir()
-                  if p.name.endswith(".json"))
-
-
 def _read_config_source(name_or_path: str) -> dict[str, Any]:
-    path = Path(name_or_path).expanduser()
-    if path.is_file():
-        text = path.read_text()
-    else:
-        res = resources.files("dspark").joinpath("configs").joinpath(f"{name_or_path.removesuffix('.json')}.json")
-        if not res.is_file():
-            raise TrainConfigError(
-                f"--config {name_or_path!r}: no such file and no such preset; presets: {', '.join(preset_names())}"
-            )
-        text, path = res.read_text(), Path(str(res))
-    try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise TrainConfigError(f"{path} is not valid JSON ({err})") from None
-    if not isinstance(raw, dict):
-        raise TrainConfigError(f"{path} must hold a JSON object")
-    return {k: v for k, v in raw.items() if not k.startswith("_")}
-
-
-def _parse_value(text: str) -> Any:
-    """JSON if it parses (numbers, true/false/null, lists, objects), else the raw string."""
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
+    return read_preset(name_or_path, TrainConfigError)
 
 
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Apply ``key=value`` strings; ``model.x=v`` sets a model sub-config field."""
-    raw = json.loads(json.dumps(raw))  # deep copy
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        key = key.strip()
-        if not sep or not key:
-            raise TrainConfigError(f"--set {item!r}: expected key=value (e.g. lr=3e-4 or model.block_size=7)")
-        head, _, rest = key.partition(".")
-        if rest:
-            if head != "model":
-                raise TrainConfigError(f"--set {item!r}: only model.<field> may be dotted")
-            raw.setdefault("model", {})[rest] = _parse_value(value)
-        else:
-            raw[key] = _parse_value(value)
-    return raw
+    return presets.apply_overrides(raw, overrides, TrainConfigError)
 
 
 @functools.cache
@@ -232,27 +189,9 @@ def load_config(name_or_path: str | None, overrides: list[str] = (), **fields: A
 
 # ---------------------------------------------------------------- model sub-config
 
-def _model_config_class(drafter: str):
-    if drafter == "draft-lm":
-        from dspark.drafters.draft_lm.model import DraftLMConfig
-
-        return DraftLMConfig
-    if drafter == "eagle3":
-        from dspark.drafters.eagle3.model import Eagle3Config
-
-        return Eagle3Config
-    from dspark.drafters.dspark.model import DSparkConfig
-
-    return DSparkConfig
-
-
 def check_model_keys(cfg: TrainConfig) -> None:
-    """Unknown ``model.*`` keys are errors (checked when the drafter's config class is importable)."""
-    try:
-        cls = _model_config_class(cfg.drafter)
-    except ImportError:  # drafter models not installed/importable: checked again when the model is built
-        return
-    known = {f.name for f in dataclasses.fields(cls)}
+    """Unknown ``model.*`` keys are errors."""
+    known = {f.name for f in dataclasses.fields(kind_entry(cfg.drafter).config_class)}
     unknown = sorted(set(cfg.model) - known)
     if unknown:
         raise TrainConfigError(
@@ -263,12 +202,12 @@ def check_model_keys(cfg: TrainConfig) -> None:
 def build_model_config(cfg: TrainConfig, default_layer_ids: list[int] | None = None):
     """The drafter's config object (``DSparkConfig``, ``DSparkConfig.dflash``, ``Eagle3Config``, ``DraftLMConfig``)."""
     check_model_keys(cfg)
-    cls = _model_config_class(cfg.drafter)
+    entry = kind_entry(cfg.drafter)
     kw = dict(cfg.model)
-    reads_features = "target_layer_ids" in {f.name for f in dataclasses.fields(cls)}
+    reads_features = "target_layer_ids" in {f.name for f in dataclasses.fields(entry.config_class)}
     if reads_features and default_layer_ids is not None and kw.get("target_layer_ids") is None:
         kw["target_layer_ids"] = list(default_layer_ids)
     try:
-        return cls.dflash(**kw) if cfg.drafter == "dflash" else cls(**kw)
+        return entry.make_config(**kw)
     except (TypeError, ValueError) as err:
         raise TrainConfigError(f"model config for drafter {cfg.drafter!r}: {err}") from None

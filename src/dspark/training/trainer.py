@@ -2,11 +2,13 @@
 
 The loop, per optimizer step: each rank takes ``grad_accum`` sequences (its
 disjoint slice of the global batch), builds a ``TrainSample`` for each (target
-features computed online or read from the feature cache), calls the drafter's
-``training_loss`` with a generator seeded from (seed, step, rank, micro-batch),
-accumulates gradients, clips, and steps AdamW on fp32 master weights. The
+features computed online or read from the feature cache), runs the drafter
+(its outputs; DSpark samples its anchors with a generator seeded from (seed, step,
+rank, micro-batch)) and the drafter kind's loss module on them (``DrafterWithLoss``,
+the one module DDP wraps), accumulates gradients, clips, and steps AdamW on fp32
+master weights. The
 learning rate warms up linearly for int(warmup_ratio * total) steps, then
-follows a cosine to 0 (interop §1, DeepSpec's ``CosineAnnealingWarmupLR``).
+follows a cosine to 0 (docs/interop.md §Training configs; DeepSpec's ``CosineAnnealingWarmupLR``).
 
 Determinism and resume: the data order is a seeded permutation per epoch and
 the anchor generator is a function of (seed, step, rank, micro-batch), so the
@@ -14,7 +16,7 @@ only state a resume needs is what the checkpoint holds: fp32 master weights,
 AdamW moments, the scheduler and the step. A run killed after checkpoint N and
 resumed from ``step_latest`` computes the same step N+1 loss as an uninterrupted run.
 
-Output folder::
+Output folder (checkpoints: ``checkpoints.py``)::
 
     out/step_N/            model.safetensors + config.json (the drafter's own format),
                            train_config.json, training_state.rank{r}.pt
@@ -30,85 +32,38 @@ import json
 import math
 import os
 import random
-import shutil
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
 
 import numpy as np
 import torch
 from torch import nn
 
-from dspark.errors import DSparkError
 from dspark.drafters.options import torch_dtype
-from dspark.training.config import TrainConfig, TrainConfigError, build_model_config
+from dspark.drafters.registry import kind_entry, model_kind_entry
 from dspark.drafters.sample import TrainSample
-
-LATEST = "step_latest"
-
-
-# ---------------------------------------------------------------- processes
-
-@dataclass(frozen=True)
-class DistInfo:
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def distributed(self) -> bool:
-        return self.world_size > 1
-
-
-def init_distributed(device: torch.device) -> DistInfo:
-    """Read torchrun's WORLD_SIZE / RANK / LOCAL_RANK and join the process group if there is one."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1:
-        return DistInfo()
-    import torch.distributed as dist
-
-    info = DistInfo(int(os.environ["RANK"]), world, int(os.environ.get("LOCAL_RANK", "0")))
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return info
-
-
-def _barrier(d: DistInfo) -> None:
-    if d.distributed:
-        torch.distributed.barrier()
-
-
-def _all_mean(d: DistInfo, values: list[float]) -> list[float]:
-    if not d.distributed:
-        return values
-    t = torch.tensor(values, dtype=torch.float64)
-    torch.distributed.all_reduce(t)
-    return (t / d.world_size).tolist()
-
-
-def _all_sum(d: DistInfo, value: float) -> float:
-    if not d.distributed:
-        return value
-    t = torch.tensor([value], dtype=torch.float64)
-    torch.distributed.all_reduce(t)
-    return float(t.item())
-
-
-def _resolve_device(name: str, local_rank: int) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda":
-        if not torch.cuda.is_available():
-            raise TrainConfigError("device 'cuda' was asked for but no GPU is available; use device=cpu")
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    return torch.device(name)
+from dspark.errors import DSparkError
+from dspark.training.checkpoints import (
+    latest_checkpoint,
+    load_training_state,
+    rng_state,
+    set_rng_state,
+    write_checkpoint,
+)
+from dspark.training.config import TrainConfig, TrainConfigError, build_model_config
+from dspark.training.distributed import (
+    DistInfo,
+    all_mean,
+    all_sum,
+    barrier,
+    init_distributed,
+    out_of_time,
+    resolve_device,
+    set_threads,
+)
+from dspark.training.samples import build_sample_source, to_device
 
 
 # ---------------------------------------------------------------- schedule and data order
@@ -206,215 +161,35 @@ class MasterWeights:
                 m.grad = None
 
 
-# ---------------------------------------------------------------- samples
-
-class SampleSource:
-    """Index -> TrainSample, from a feature cache or a tokenized dataset plus the target."""
-
-    def __init__(self, get: Callable[[int], TrainSample], size: int) -> None:
-        self._get = get
-        self.size = size
-
-    def __len__(self) -> int:
-        return self.size
-
-    def __getitem__(self, index: int) -> TrainSample:
-        return self._get(index)
-
-
-def load_token_dataset(paths: list[str]):
-    """The tokenized training data (``dspark data tokenize`` output)."""
-    if not paths:
-        raise TrainConfigError("training config: data is empty; give the tokenized dataset path(s)")
-    from dspark.data.tokenized import TokenizedDataset
-
-    missing = [p for p in paths if not Path(p).exists()]
-    if missing:
-        raise TrainConfigError(f"training data {missing} not found; build it with `dspark data tokenize` first")
-    parts = [TokenizedDataset(p) for p in paths]
-    return parts[0] if len(parts) == 1 else torch.utils.data.ConcatDataset(parts)
-
-
-def build_sample_source(cfg: TrainConfig, target, layer_ids: list[int], dtype: torch.dtype,
-                        dataset=None) -> SampleSource:
-    from dspark.data import features
-
-    if cfg.feature_source == "cache":
-        if dataset is None:
-            if not cfg.cache_dir:
-                raise TrainConfigError("feature_source is 'cache' but cache_dir is not set")
-            dataset = features.FeatureCacheDataset(cfg.cache_dir, dtype=dtype, max_length=cfg.max_length)
-            if layer_ids:
-                features.check_cache_fits(dataset.manifest, layer_ids, target.hidden_size)
-            else:  # a drafter that reads only the final hidden state can use any cache of this target
-                features.check_cache_fits(dataset.manifest, dataset.manifest["target_layer_ids"], target.hidden_size)
-        size = len(dataset)
-        get = dataset.__getitem__ if layer_ids else (lambda i: _without_features(dataset[i]))
-    else:
-        dataset = dataset if dataset is not None else load_token_dataset(cfg.data)
-        size = len(dataset)
-
-        def get(i: int) -> TrainSample:
-            item = dataset[i]
-            if isinstance(item, TrainSample):
-                return item if layer_ids else _without_features(item)
-            if not layer_ids:
-                return _last_hidden_sample(target, item, cfg.max_length, dtype)
-            return features.online_sample(target, item, layer_ids, cfg.max_length, dtype)
-    if cfg.max_samples is not None:
-        size = min(size, cfg.max_samples)
-    return SampleSource(get, size)
-
-
-def _without_features(s: TrainSample) -> TrainSample:
-    """The sample with an empty (L, 0) feature tensor, for drafters that read no target layers."""
-    return TrainSample(s.input_ids, s.loss_mask, s.target_features[:, :0], s.target_last_hidden)
-
-
-def _last_hidden_sample(target, item: dict[str, Any], max_length: int | None, dtype: torch.dtype) -> TrainSample:
-    """A sample with only the target's final hidden state (the draft LM distils from it)."""
-    input_ids = torch.as_tensor(np.asarray(item["input_ids"]), dtype=torch.long)[:max_length]  # (L,)
-    loss_mask = torch.as_tensor(np.asarray(item["loss_mask"]), dtype=torch.long)[:max_length]  # (L,)
-    if input_ids.numel() > target.max_context:
-        raise DSparkError(
-            f"a training sequence has {input_ids.numel()} tokens but the target's context is "
-            f"{target.max_context}; lower max_length"
-        )
-    out = target.forward(input_ids, [input_ids.numel()], caches=None, logits_for="none")
-    last_hidden = out.last_hidden.clone().to(dtype)  # (L, H); clone: out of inference mode
-    return TrainSample(input_ids, loss_mask, last_hidden[:, :0], last_hidden)
-
-
-def _to_device(s: TrainSample, device: torch.device, dtype: torch.dtype) -> TrainSample:
-    return TrainSample(
-        input_ids=s.input_ids.to(device), loss_mask=s.loss_mask.to(device),
-        target_features=s.target_features.to(device, dtype),
-        target_last_hidden=s.target_last_hidden.to(device, dtype),
-    )
-
-
 # ---------------------------------------------------------------- the drafter
 
-class _LossModule(nn.Module):
-    """Routes DDP's forward to ``training_loss`` so gradient sync hooks see the call."""
+class DrafterWithLoss(nn.Module):
+    """The drafter and its kind's loss module as one module: the forward DDP wraps (its hooks see the call).
 
-    def __init__(self, model: nn.Module) -> None:
+    ``forward(sample, generator)`` runs the model (outputs only), then the loss module on those
+    outputs and the sample, and returns (loss, metrics).
+    """
+
+    def __init__(self, model: nn.Module, loss: nn.Module) -> None:
         super().__init__()
         self.model = model
+        self.loss = loss
 
-    def forward(self, sample: TrainSample, generator: torch.Generator):
-        return self.model.training_loss(sample, generator)
-
-
-def drafter_class(drafter: str) -> type[nn.Module]:
-    """The model class of a drafter kind (dflash shares DSpark's class)."""
-    if drafter == "draft-lm":
-        from dspark.drafters.draft_lm.model import DraftLMModel
-
-        return DraftLMModel
-    if drafter == "eagle3":
-        from dspark.drafters.eagle3 import model as module
-
-        names = ("Eagle3DraftModel", "Eagle3Model")
-    else:
-        from dspark.drafters.dspark import model as module
-
-        names = ("DSparkDraftModel", "DSparkModel")
-    for name in names:
-        if hasattr(module, name):
-            return getattr(module, name)
-    raise ImportError(f"{module.__name__} defines none of {names}")
+    def forward(self, sample: TrainSample, generator: torch.Generator | None = None
+                ) -> tuple[torch.Tensor, dict[str, float]]:
+        return self.loss(self.model, self.model(sample, generator), sample)
 
 
 def build_drafter(cfg: TrainConfig, target) -> nn.Module:
     """A fresh drafter for ``target``; its random initialisation is fixed by ``cfg.seed``."""
     model_cfg = build_model_config(cfg, target.default_layer_ids())
     torch.manual_seed(cfg.seed)
-    return drafter_class(cfg.drafter).from_target(target, model_cfg)
+    return kind_entry(cfg.drafter).model_class.from_target(target, model_cfg)
 
 
-def _layer_ids(model: nn.Module) -> list[int]:
-    cfg = getattr(model, "config", None) or getattr(model, "cfg", None)
-    ids = getattr(cfg, "target_layer_ids", None) if cfg is not None else None
-    if ids is None:
-        ids = getattr(model, "target_layer_ids", None)
-    if ids is None:
-        raise DSparkError("the drafter does not say which target layers it reads (config.target_layer_ids)")
-    return [int(i) for i in ids]
-
-
-# ---------------------------------------------------------------- checkpoints
-
-def _rng_state() -> dict[str, Any]:
-    np_state = np.random.get_state()
-    return {
-        "torch": torch.get_rng_state(),
-        "python": random.getstate(),
-        "numpy": (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]),
-    }
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    name, keys, *rest = state["numpy"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
-
-
-def latest_checkpoint(out: str | Path) -> Path | None:
-    link = Path(out) / LATEST
-    return link.resolve() if link.exists() else None
-
-
-def _write_checkpoint(out: Path, step: int, model: nn.Module, cfg: TrainConfig, state: dict, d: DistInfo,
-                      extra_config: dict) -> Path:
-    """Write ``out/step_N`` atomically (temp folder, rename), then repoint ``step_latest``."""
-    final = out / f"step_{step}"
-    tmp = out / f".step_{step}.tmp"
-    if d.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    _barrier(d)
-    torch.save(state, tmp / f"training_state.rank{d.rank}.pt")
-    _barrier(d)
-    if d.is_main:
-        model.save_checkpoint(tmp)
-        # "_run" is a comment key to the config loader: the file works as --config again
-        (tmp / "train_config.json").write_text(json.dumps({"_run": extra_config, **cfg.to_dict()}, indent=2))
-        if final.exists():  # the same step saved again (e.g. after a resume): replace it
-            old = out / f".step_{step}.old"
-            shutil.rmtree(old, ignore_errors=True)
-            final.rename(old)
-            tmp.rename(final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(final)
-        link_tmp = out / f".{LATEST}.tmp"
-        if link_tmp.is_symlink() or link_tmp.exists():
-            link_tmp.unlink()
-        os.symlink(final.name, link_tmp)
-        os.replace(link_tmp, out / LATEST)
-        if cfg.keep_checkpoints:
-            _prune_checkpoints(out, cfg.keep_checkpoints)
-    _barrier(d)
-    return final
-
-
-def _prune_checkpoints(out: Path, keep: int) -> None:
-    """Delete all but the newest ``keep`` step_N folders (step_latest always points to a kept one)."""
-    steps = sorted((int(p.name.removeprefix("step_")), p) for p in out.glob("step_*")
-                   if p.is_dir() and not p.is_symlink() and p.name.removeprefix("step_").isdigit())
-    for _, folder in steps[:-keep]:
-        shutil.rmtree(folder, ignore_errors=True)
-
-
-def _load_training_state(folder: Path, rank: int) -> dict:
-    path = folder / f"training_state.rank{rank}.pt"
-    if not path.exists():  # a different world size: replicas hold the same weights and optimizer state
-        path = folder / "training_state.rank0.pt"
-    if not path.exists():
-        raise DSparkError(f"{folder} holds no training_state.rank*.pt; it is not a resumable checkpoint")
-    return torch.load(path, map_location="cpu", weights_only=True)
+def with_loss(model: nn.Module) -> DrafterWithLoss:
+    """``model`` joined with its kind's loss module, configured by the model's own config."""
+    return DrafterWithLoss(model, model_kind_entry(model).loss_class(model.config))
 
 
 # ---------------------------------------------------------------- logging
@@ -473,11 +248,11 @@ class Trainer:
                  dataset=None) -> None:
         self.cfg = cfg
         self.out = Path(cfg.out)
-        self.device = _resolve_device(cfg.device, int(os.environ.get("LOCAL_RANK", "0")))
+        self.device = resolve_device(cfg.device, int(os.environ.get("LOCAL_RANK", "0")))
         self.owns_group = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not (
             torch.distributed.is_available() and torch.distributed.is_initialized())
         self.d = d = init_distributed(self.device)
-        _set_threads(cfg, d, self.device)
+        set_threads(cfg, d, self.device)
         self.dtype = torch_dtype(cfg.dtype)
 
         self.resume_from = latest_checkpoint(self.out) if resume else None
@@ -485,7 +260,7 @@ class Trainer:
             raise DSparkError(f"{self.out} already holds checkpoints; pass --resume to continue or choose another --out")
         if d.is_main:
             self.out.mkdir(parents=True, exist_ok=True)
-        _barrier(d)
+        barrier(d)
 
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
@@ -498,7 +273,7 @@ class Trainer:
         self.model = model if model is not None else build_drafter(cfg, target)
         self.model.to(device=self.device, dtype=self.dtype)
         self.model.train()
-        self.source = build_sample_source(cfg, target, _layer_ids(self.model), self.dtype, dataset)
+        self.source = build_sample_source(cfg, target, list(self.model.target_layer_ids), self.dtype, dataset)
 
         self.accum = cfg.grad_accum_for(d.world_size)
         self.order = DataOrder(len(self.source), d.world_size, self.accum, cfg.seed)
@@ -519,7 +294,7 @@ class Trainer:
         if self.resume_from is not None:
             self._restore(self.resume_from)
 
-        self.net: nn.Module = _LossModule(self.model)
+        self.net: nn.Module = with_loss(self.model)
         if d.distributed:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -529,14 +304,14 @@ class Trainer:
     # -- state
 
     def _restore(self, folder: Path) -> None:
-        state = _load_training_state(folder, self.d.rank)
+        state = load_training_state(folder, self.d.rank)
         with torch.no_grad():
             for m, saved in zip(self.masters.master, state["master_weights"], strict=True):
                 m.copy_(saved)
         self.masters.master_to_model()
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-        _set_rng_state(state["rng"])
+        set_rng_state(state["rng"])
         self.step, self.tokens_seen, self.prior_seconds = state["step"], state["tokens_seen"], state["train_seconds"]
         if self.d.is_main:
             print(f"[dspark] resuming from {folder} (step {self.step})", flush=True)
@@ -545,14 +320,14 @@ class Trainer:
         state = {
             "step": self.step, "master_weights": [m.detach().cpu() for m in self.masters.master],
             "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-            "rng": _rng_state(), "tokens_seen": self.tokens_seen, "train_seconds": seconds,
+            "rng": rng_state(), "tokens_seen": self.tokens_seen, "train_seconds": seconds,
             "world_size": self.d.world_size,
             "data_order": {"seed": self.cfg.seed, "next_step": self.step, "grad_accum": self.accum},
         }
         extra = {"world_size": self.d.world_size, "grad_accum_resolved": self.accum,
                  "total_steps": self.total_steps, "warmup_steps": self.warmup_steps,
                  "num_samples": len(self.source)}
-        return _write_checkpoint(self.out, self.step, self.model, self.cfg, state, self.d, extra)
+        return write_checkpoint(self.out, self.step, self.model, self.cfg, state, self.d, extra)
 
     # -- one optimizer step
 
@@ -572,7 +347,7 @@ class Trainer:
         loss_sum, metric_sums, tokens = 0.0, {}, 0
         self.masters.zero_grad()
         for a, index in enumerate(self.order.indices(self.step, d.rank)):
-            sample = _to_device(self.source[index], self.device, self.dtype)
+            sample = to_device(self.source[index], self.device, self.dtype)
             sync = nullcontext() if (not d.distributed or a == accum - 1) else self.net.no_sync()
             with sync:
                 loss, metrics = self.net(sample, micro_generator(self.cfg.seed, self.step, d.rank, a))
@@ -609,23 +384,23 @@ class Trainer:
                 loss, metrics, grad_norm, tokens = self.train_step(progress)
                 if progress is not None:  # the step set its own rate from the time progress
                     lr = self.optimizer.param_groups[0]["lr"]
-                step_tokens = _all_sum(d, tokens)
+                step_tokens = all_sum(d, tokens)
                 self.tokens_seen += step_tokens
                 session_tokens += step_tokens
                 log.step()
                 if self.step % cfg.log_every == 0 or self.step == self.total_steps:
                     keys = sorted(k for k in metrics if k != "loss")
-                    vals = _all_mean(d, [loss] + [metrics[k] for k in keys])
+                    vals = all_mean(d, [loss] + [metrics[k] for k in keys])
                     elapsed = time.perf_counter() - start
                     last_scalars = {"loss": vals[0], **dict(zip(keys, vals[1:])), "lr": lr, "grad_norm": grad_norm,
                                     "tokens_per_s": session_tokens / max(elapsed, 1e-9),
                                     "tokens_seen": self.tokens_seen}
                     log.log(self.step, last_scalars)
                 seconds = self.prior_seconds + time.perf_counter() - start
-                out_of_time = _out_of_time(cfg, d, seconds)
-                if self.step % cfg.checkpoint_every == 0 or self.step == self.total_steps or out_of_time:
+                timed_out = out_of_time(cfg, d, seconds)
+                if self.step % cfg.checkpoint_every == 0 or self.step == self.total_steps or timed_out:
                     last_ckpt = self._save(seconds)
-                if out_of_time:
+                if timed_out:
                     stopped_by = "time_budget"
                     break
             if last_ckpt is None:  # already at total_steps with no checkpoint to show for it
@@ -643,7 +418,7 @@ class Trainer:
                 "last_checkpoint": str(last_ckpt),
             }
             (self.out / "train_summary.json").write_text(json.dumps(summary, indent=2))
-        _barrier(d)
+        barrier(d)
         return last_ckpt
 
     def close(self) -> None:
@@ -664,21 +439,3 @@ def train(cfg: TrainConfig, resume: bool = False, *, target=None, model: nn.Modu
         return trainer.run()
     finally:
         trainer.close()
-
-
-def _out_of_time(cfg: TrainConfig, d: DistInfo, seconds: float) -> bool:
-    """All ranks agree (rank 0's clock decides), so every rank stops at the same step."""
-    if cfg.time_budget_s is None:
-        return False
-    flag = torch.tensor([1.0 if seconds >= cfg.time_budget_s else 0.0])
-    if d.distributed:
-        torch.distributed.broadcast(flag, src=0)
-    return bool(flag.item())
-
-
-def _set_threads(cfg: TrainConfig, d: DistInfo, device: torch.device) -> None:
-    if cfg.num_threads is not None:
-        torch.set_num_threads(cfg.num_threads)
-    elif d.distributed and device.type == "cpu":  # do not oversubscribe the cores among local ranks
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", d.world_size))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))

@@ -9,10 +9,12 @@ Shapes: R = requests, K = draft tokens, V = target vocabulary.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from dspark.drafters.base import DraftBlock, RequestState
+from dspark.drafters.options import DraftingOptions
 from dspark.errors import IncompatibleModelsError
 from dspark.modeling.decoder import CausalLM
 from dspark.modeling.kv_cache import KVCache
@@ -113,3 +115,9 @@ def load_draft_model(path: str, target, block_size: int = 4, dtype: torch.dtype 
         )
     model = build_model(spec, load_state_dict(folder), f"draft model {path}", dtype)
     return DraftModelDrafter(model, target.vocab_size, block_size)
+
+
+def load_with_options(path: Path, target, options: DraftingOptions) -> DraftModelDrafter:
+    """``load_draft_model`` in the target's dtype, ``options.block_size`` drafts per step (default 4): the
+    registry's loader."""
+    return load_draft_model(str(path), target, options.block_size or 4, target.dtype)

@@ -5,16 +5,10 @@ the target's tokenizer), built so that it needs no other model: take the target'
 embedding, ``num_layers`` of its decoder layers (the first ones, or the ones
 ``layer_ids`` lists), its final norm and its LM head, and distil the target into
 it on the regenerated training data. The teacher distribution of token t+1 is
-``softmax(lm_head(target_last_hidden[t]))`` (DESIGN.md §1.4: d numbers per token
-are cached or sent, never V), so the trainer's samples serve unchanged.
+``softmax(lm_head(target_last_hidden[t]))``: d numbers per token are cached or sent,
+never V (docs/conventions.md §Target distribution in training), so the trainer's samples serve unchanged.
 
-Loss, per sequence: mean over supervised positions t (the next token t+1 is an
-assistant token, ``loss_mask[t+1] = 1``) of
-
-    KL(target_probs_t || draft_probs_t) = sum_v target_probs log(target_probs / draft_probs)
-
-plus ``ce_loss_alpha`` times the hard-label cross-entropy (0 by default). V-sized
-tensors exist only for ``ROW_CHUNK`` rows at a time, recomputed in backward.
+The loss, KL(target || draft) on assistant next tokens, is ``loss.py``'s.
 
 The checkpoint is an ordinary Hugging Face causal-LM folder: ``config.json`` is the
 target's with ``num_hidden_layers`` = the draft's (and ``layer_types`` of the kept
@@ -24,7 +18,7 @@ tokenizer files are copied in. So ``dspark.drafters.draft_lm.drafter.load_draft_
 (and ``--drafter FOLDER``) and transformers' ``AutoModelForCausalLM.from_pretrained``
 (HF assisted generation) both load it.
 
-Shapes: L = sequence length, M = supervised positions, H = hidden size, V = vocabulary.
+Shapes: L = sequence length, H = hidden size, V = vocabulary.
 """
 
 from __future__ import annotations
@@ -38,15 +32,14 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from dspark.drafters.checkpoint import target_base_config, write_checkpoint
+from dspark.drafters.draft_lm.config import DraftLMConfig
+from dspark.drafters.sample import TrainSample
 from dspark.errors import IncompatibleModelsError, ModelLoadError
 from dspark.modeling.decoder import CausalLM
 from dspark.modeling.spec import DecoderSpec, spec_from_config
 from dspark.modeling.weights import load_into, load_state_dict, read_config
-from dspark.drafters.losses import ROW_CHUNK
-from dspark.drafters.sample import TrainSample
 
 #: config.json key holding the draft-LM settings (an extra key transformers keeps and ignores)
 CONFIG_KEY = "dspark_draft_lm"
@@ -57,50 +50,10 @@ TOKENIZER_FILES = (
 )
 # families whose HF config reads ``layer_types`` (the others have no per-layer attention kinds)
 _LAYER_TYPED = ("qwen2", "qwen3", "gemma2", "gemma3_text")
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                  "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
-                  "gemma3_text": "Gemma3ForCausalLM"}
-
-
-@dataclass
-class DraftLMConfig:
-    """Settings of the distilled draft LM (``--set model.num_layers=4`` etc.)."""
-
-    num_layers: int = 4  # draft decoder layers; the first num_layers target layers unless layer_ids is set
-    layer_ids: list[int] | None = None  # target layers to copy, in order (overrides num_layers)
-    freeze_embeddings: bool = True  # keep embed_tokens and lm_head frozen (the target's)
-    ce_loss_alpha: float = 0.0  # weight of the hard-label cross-entropy added to the KL
-    # draft tokens per step (gamma) when decoding with it, as for the other drafters; recorded in config.json
-    # (dspark_draft_lm.block_size) for `dspark bench speed`; `--block-size` overrides it elsewhere
-    block_size: int = 7
-
-    def __post_init__(self) -> None:
-        if self.layer_ids is not None:
-            self.layer_ids = [int(i) for i in self.layer_ids]
-            if not self.layer_ids:
-                raise ValueError("layer_ids must not be empty (or leave it null to copy the first num_layers)")
-            if any(i < 0 for i in self.layer_ids) or len(set(self.layer_ids)) != len(self.layer_ids):
-                raise ValueError(f"layer_ids must be distinct target layer indices >= 0, got {self.layer_ids}")
-            self.num_layers = len(self.layer_ids)
-        if self.num_layers < 1:
-            raise ValueError(f"num_layers must be >= 1, got {self.num_layers}")
-        if self.ce_loss_alpha < 0:
-            raise ValueError(f"ce_loss_alpha must be >= 0, got {self.ce_loss_alpha}")
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-
-    def source_layers(self, num_target_layers: int) -> list[int]:
-        """The target layers the draft copies, checked against the target's depth."""
-        ids = self.layer_ids if self.layer_ids is not None else list(range(self.num_layers))
-        if max(ids) >= num_target_layers:
-            raise ValueError(
-                f"the draft LM needs target layers {ids} but the target has {num_target_layers}; "
-                "lower model.num_layers or fix model.layer_ids"
-            )
-        return ids
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+#: the HF causal-LM architecture name a draft-LM checkpoint carries, by model type
+HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                    "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                    "gemma3_text": "Gemma3ForCausalLM"}
 
 
 def draft_lm_spec(target_spec: DecoderSpec, layer_ids: list[int]) -> DecoderSpec:
@@ -111,20 +64,11 @@ def draft_lm_spec(target_spec: DecoderSpec, layer_ids: list[int]) -> DecoderSpec
     )
 
 
-def kl_row_terms(
-    draft_logits: torch.Tensor,  # (m, V)
-    target_logits: torch.Tensor,  # (m, V) no grad needed
-    labels: torch.Tensor,  # (m,) int64 next tokens
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # kl (m,), ce (m,), soft acceptance (m,) (no grad)
-    """KL(target_probs || draft_probs), hard-label CE and sum_v min(draft_probs, target_probs), at T = 1."""
-    draft_logp = torch.log_softmax(draft_logits.float(), dim=-1)  # (m, V)
-    target_logp = torch.log_softmax(target_logits.float(), dim=-1).detach()
-    target_probs = target_logp.exp()
-    kl = (target_probs * (target_logp - draft_logp)).sum(-1)
-    ce = -draft_logp.gather(-1, labels[:, None]).squeeze(-1)
-    with torch.no_grad():
-        acc = torch.minimum(draft_logp.exp(), target_probs).sum(-1)
-    return kl, ce, acc
+@dataclass
+class DraftLMOutputs:
+    """The model's outputs on one sequence."""
+
+    hidden: torch.Tensor  # (L, H) final-normed hidden states; lm.logits(hidden[t]) drafts token t+1
 
 
 class DraftLMModel(nn.Module):
@@ -215,7 +159,8 @@ class DraftLMModel(nn.Module):
         """Decoder layers and final norm; embed_tokens and lm_head too unless ``freeze_embeddings``."""
         return [p for p in self.lm.parameters() if p.requires_grad]
 
-    def _teacher_logits(self, target_hidden: torch.Tensor) -> torch.Tensor:  # (m, H) -> (m, V)
+    def teacher_logits(self, target_hidden: torch.Tensor) -> torch.Tensor:  # (m, H) -> (m, V)
+        """The target's logits from its final-normed hidden state (the teacher of the distillation)."""
         if self.teacher_head is None:
             return self.lm.logits(target_hidden.to(self.lm.lm_head.weight.dtype))
         out = target_hidden.float() @ self.teacher_head.float().t()
@@ -223,42 +168,12 @@ class DraftLMModel(nn.Module):
             out = torch.tanh(out / self.spec.final_softcap) * self.spec.final_softcap
         return out
 
-    def training_loss(self, sample: TrainSample, generator: torch.Generator | None = None
-                      ) -> tuple[torch.Tensor, dict[str, float]]:
-        """KL(target || draft) on assistant next tokens (+ ce_loss_alpha * CE), and metrics."""
-        del generator  # no sampling in this loss
+    def forward(self, sample: TrainSample, generator: torch.Generator | None = None) -> DraftLMOutputs:
+        """The draft's causal hidden states over the sequence (the loss is ``DraftLMLoss``'s job)."""
+        del generator  # no sampling here
         ids = sample.input_ids
-        L = ids.shape[0]
-        rows = (sample.loss_mask[1:] > 0).nonzero().squeeze(-1)  # (M,) positions t whose next token is supervised
-        metrics: dict[str, float] = {"supervised_tokens": float(rows.numel())}
-        if rows.numel() == 0:  # keep every trainable parameter in the graph (DDP buckets)
-            zero = sum((p.sum() * 0.0 for p in self.trainable_parameters()), torch.zeros((), device=ids.device))
-            return zero, {**metrics, "loss": 0.0}
-        hidden, _ = self.lm.model(ids, [L], None)  # (L, H) final-normed, causal
-        hidden = hidden[rows]  # (M, H)
-        target_hidden = sample.target_last_hidden[rows]  # (M, H)
-        labels = ids[rows + 1]  # (M,)
-
-        def one(h, t_hidden, lab):
-            with torch.no_grad():
-                target_logits = self._teacher_logits(t_hidden)
-            return kl_row_terms(self.lm.logits(h), target_logits, lab)
-
-        use_ckpt = torch.is_grad_enabled()
-        parts = []
-        for s in range(0, rows.numel(), ROW_CHUNK):
-            args = (hidden[s : s + ROW_CHUNK], target_hidden[s : s + ROW_CHUNK], labels[s : s + ROW_CHUNK])
-            parts.append(checkpoint(one, *args, use_reentrant=False) if use_ckpt else one(*args))
-        kl, ce, acc = (torch.cat(x) for x in zip(*parts))
-        loss = kl.mean()
-        if self.config.ce_loss_alpha > 0:
-            loss = loss + self.config.ce_loss_alpha * ce.mean()
-        metrics.update(loss=float(loss.detach()), kl=float(kl.detach().mean()), ce=float(ce.detach().mean()),
-                       acc=float(acc.mean()))  # acc: expected acceptance of one draft token, sum_v min(p_d, p_t)
-        return loss, metrics
-
-    def forward(self, sample: TrainSample, generator: torch.Generator | None = None):
-        return self.training_loss(sample, generator)
+        hidden, _ = self.lm.model(ids, [ids.shape[0]], None)  # (L, H) final-normed, causal
+        return DraftLMOutputs(hidden)
 
     # ----------------------------------------------------------------- checkpoint
 
@@ -267,7 +182,7 @@ class DraftLMModel(nn.Module):
         out = copy.deepcopy(self.base_config)
         num_target_layers = int(out.get("num_hidden_layers", max(self.source_layer_ids) + 1))
         n = self.spec.num_layers
-        out["architectures"] = list(out.get("architectures") or [_ARCHITECTURES[self.spec.model_type]])
+        out["architectures"] = list(out.get("architectures") or [HF_ARCHITECTURES[self.spec.model_type]])
         out["model_type"] = out.get("model_type", self.spec.model_type)
         out["num_hidden_layers"] = n
         if self.spec.model_type in _LAYER_TYPED:

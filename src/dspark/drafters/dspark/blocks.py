@@ -1,6 +1,6 @@
 """Training blocks of the parallel drafter: anchors, block inputs, labels, eval mask, attention mask.
 
-Follows DeepSpec's sampler (interop-facts §2; DESIGN.md §2).
+Follows DeepSpec's sampler (docs/conventions.md §Blocks and slots).
 
 Shapes: L = sequence length, A = kept anchors (<= num_anchors), G = block size
 (gamma), Q = A * G block tokens.

@@ -1,4 +1,4 @@
-"""DSpark / DFlash drafting inside the speculative loop (DESIGN.md §1.1, interop-facts §3 "Draft step").
+"""DSpark / DFlash drafting inside the speculative loop (paper §3.1, eq. 4; docs/conventions.md §Drafting).
 
 Shapes: R = requests, G = trained block size (gamma), K = drafts proposed this
 step (<= G), V = vocabulary, H = hidden size, F = target-feature width,
@@ -23,7 +23,9 @@ from pathlib import Path
 import torch
 
 from dspark.drafters.base import DraftBlock, RequestState
+from dspark.drafters.draft_vocab import load_draft_vocab
 from dspark.drafters.dspark.model import AttentionGroup, DSparkModel
+from dspark.drafters.options import DraftingOptions
 from dspark.modeling.kv_cache import KVCache
 from dspark.sampling.processing import logits_to_probs, sample_from_probs
 
@@ -158,6 +160,12 @@ def load_dspark_drafter(path: str | Path, target, block_size: int | None = None,
     """
     model = DSparkModel.from_checkpoint(Path(path), target)
     return DSparkDrafter(model.to(target.dtype), block_size, head_top_m, draft_vocab)
+
+
+def load_with_options(path: Path, target, options: DraftingOptions) -> DSparkDrafter:
+    """``load_dspark_drafter`` as ``options`` ask (block size, head top-M, draft vocabulary): the registry's loader."""
+    vocab = load_draft_vocab(options.draft_vocab, target.vocab_size) if options.draft_vocab else None
+    return load_dspark_drafter(path, target, options.block_size, options.head_top_m or None, vocab)
 
 
 def save_dspark_checkpoint(model: DSparkModel, folder: str | Path, dtype: torch.dtype = torch.float32) -> None:

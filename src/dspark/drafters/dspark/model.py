@@ -1,6 +1,6 @@
 """The DSpark draft model (DFlash = DSpark without heads): parallel backbone, sequential head, confidence head.
 
-Layout and names follow DeepSpec's ``Qwen3DSparkModel`` (interop-facts §1), so its
+Layout and names follow DeepSpec's ``Qwen3DSparkModel`` (docs/interop.md §Drafter checkpoints), so its
 checkpoints load and ours load there: ``embed_tokens``, ``layers.{i}.*``, ``norm``,
 ``fc``, ``hidden_norm``, ``lm_head``, ``markov_head.{markov_w1,markov_w2,joint_proj}``,
 ``confidence_head.proj`` (no ``model.`` prefix).
@@ -10,7 +10,7 @@ Shapes: L = sequence length, n = context positions, A = blocks, G = block size
 V = vocabulary, r = Markov rank, Hq / Hkv / D = query heads / KV heads / head dim,
 S = context keys.
 
-Backbone (DESIGN.md §2, interop-facts §1):
+Backbone, eqs. (2)-(3) (docs/conventions.md §Context features, docs/interop.md §Drafter checkpoints):
 - context = hidden_norm(fc(concat target features)), the same tensor for every layer;
 - per layer, queries come from the block tokens only; keys/values are k_proj/v_proj
   over [context; input_layernorm(block)], k_norm (if any) on all keys, RoPE at
@@ -20,13 +20,15 @@ Backbone (DESIGN.md §2, interop-facts §1):
 Sequential head, eq. (4): p_k = softmax(U_k + B_k), with the Markov bias eq. (5)
 B_k = W2 W1[x_{k-1}] or the RNN bias eq. (6). Confidence head eq. (7):
 logit_k = proj([h_k; W1[x_{k-1}]]). x_{-1} is the anchor token.
+
+The settings are ``config.py``'s, the heads ``heads.py``'s. ``forward`` returns the
+teacher-forced outputs of a sequence's blocks; ``loss.py`` turns them into eq. (12).
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -36,186 +38,24 @@ from torch import nn
 from torch.nn import functional as F
 
 from dspark.drafters.checkpoint import (
-    copy_frozen_embeddings,
-    load_drafter_weights,
     arch_name,
     check_layer_ids,
     check_target_fit,
+    copy_frozen_embeddings,
     draft_spec_from,
-    init_weights,
+    finish_new_drafter,
+    load_drafter_weights,
     target_base_config,
     write_checkpoint,
 )
-from dspark.errors import IncompatibleModelsError, ModelLoadError
+from dspark.drafters.dspark.blocks import Blocks, block_attention_mask, build_blocks, sample_anchors
+from dspark.drafters.dspark.config import DRAFT_KEYS, DSparkConfig, config_from_checkpoint, resolve_mask_token_id
+from dspark.drafters.dspark.heads import ConfidenceHead, MarkovHead
+from dspark.drafters.sample import TrainSample
+from dspark.errors import IncompatibleModelsError
 from dspark.modeling.layers import DecoderLayer, RMSNorm
 from dspark.modeling.spec import DecoderSpec, spec_from_config
 from dspark.modeling.weights import read_config
-from dspark.drafters.dspark.blocks import Blocks, block_attention_mask, build_blocks, sample_anchors
-from dspark.drafters.losses import (
-    chunked_row_terms,
-    confidence_bce,
-    position_weights,
-    tau_estimate,
-    weighted_mean,
-)
-from dspark.drafters.sample import TrainSample
-
-MARKOV_HEAD_TYPES = ("vanilla", "rnn")
-
-
-# --------------------------------------------------------------------------- config
-
-
-@dataclass
-class DSparkConfig:
-    """DSpark drafter and training settings (DeepSpec names). ``DSparkConfig.dflash()`` gives DFlash."""
-
-    block_size: int = 7
-    num_draft_layers: int = 1
-    target_layer_ids: list[int] | None = None  # None: target.default_layer_ids()
-    # None: the first embedding row past the tokenizer if the vocabulary has spare rows (DeepSpec's
-    # choice for Qwen3), else the tokenizer's unk token, else its pad token unless that is a stop
-    # token, else vocab_size - 1. See resolve_mask_token_id.
-    mask_token_id: int | None = None
-    num_anchors: int = 64  # DeepSpec uses 512 on GPUs; 64 keeps CPU memory modest
-    markov_rank: int = 256  # 0 = no sequential head (DFlash)
-    markov_head_type: str = "vanilla"  # "vanilla" eq. (5) | "rnn" eq. (6)
-    enable_confidence_head: bool = True
-    confidence_head_with_markov: bool = True
-    loss_decay_gamma: float = 4.0
-    ce_loss_alpha: float = 0.1
-    l1_loss_alpha: float = 0.9
-    confidence_head_alpha: float = 1.0
-
-    def __post_init__(self) -> None:
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-        if self.num_draft_layers < 1:
-            raise ValueError(f"num_draft_layers must be >= 1, got {self.num_draft_layers}")
-        if self.num_anchors < 1:
-            raise ValueError(f"num_anchors must be >= 1, got {self.num_anchors}")
-        if self.markov_rank < 0:
-            raise ValueError(f"markov_rank must be >= 0 (0 = no sequential head), got {self.markov_rank}")
-        if self.markov_head_type not in MARKOV_HEAD_TYPES:
-            raise ValueError(
-                f"markov_head_type must be one of {MARKOV_HEAD_TYPES}, got {self.markov_head_type!r}"
-            )
-        if self.enable_confidence_head and self.confidence_head_with_markov and self.markov_rank == 0:
-            raise ValueError(
-                "confidence_head_with_markov needs a Markov head (markov_rank > 0); "
-                "set confidence_head_with_markov=False or enable_confidence_head=False"
-            )
-        if self.target_layer_ids is not None:
-            self.target_layer_ids = [int(i) for i in self.target_layer_ids]
-            check_layer_ids(self.target_layer_ids)
-        for name in ("ce_loss_alpha", "l1_loss_alpha", "confidence_head_alpha"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-
-    @classmethod
-    def dflash(cls, **overrides: Any) -> "DSparkConfig":
-        """DFlash: the same backbone, no sequential head, no confidence head, CE only (interop-facts §1)."""
-        base = dict(markov_rank=0, enable_confidence_head=False, confidence_head_with_markov=False,
-                    ce_loss_alpha=1.0, l1_loss_alpha=0.0, confidence_head_alpha=0.0)
-        return cls.from_dict({**base, **overrides})
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> "DSparkConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"unknown DSpark config keys {unknown}; known keys: {sorted(known)}")
-        return cls(**values)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @property
-    def is_dflash(self) -> bool:
-        return self.markov_rank == 0 and not self.enable_confidence_head
-
-
-def resolve_mask_token_id(target) -> int:
-    """A token id for the block's mask slots (see ``DSparkConfig.mask_token_id``)."""
-    V = target.vocab_size
-    tok = target.tokenizer
-    if tok is None:
-        return V - 1
-    if len(tok) < V:  # a spare embedding row nothing ever produces (DeepSpec: 151669 for Qwen3)
-        return len(tok)
-    stops = set(target.eos_token_ids)
-    for cand in (tok.unk_token_id, tok.pad_token_id):
-        if cand is not None and 0 <= cand < V and cand not in stops:
-            return int(cand)
-    return V - 1
-
-
-# --------------------------------------------------------------------------- heads
-
-
-class MarkovHead(nn.Module):
-    """Sequential head: vanilla Markov bias eq. (5) or gated RNN bias eq. (6)."""
-
-    def __init__(self, vocab_size: int, rank: int, hidden_size: int, head_type: str) -> None:
-        super().__init__()
-        self.rank, self.head_type = rank, head_type
-        self.markov_w1 = nn.Embedding(vocab_size, rank)  # W1: V x r lookup
-        self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)  # W2: r -> V
-        if head_type == "rnn":
-            # W_g, W_c, W_o as one linear over z = [s_{k-1}; W1[x_{k-1}]; h_k], split in three
-            self.joint_proj = nn.Linear(2 * rank + hidden_size, 3 * rank)
-
-    def prev_embed(self, prev: torch.Tensor) -> torch.Tensor:  # (...,) -> (..., r)
-        return self.markov_w1(prev)
-
-    def step(
-        self,
-        state: torch.Tensor | None,  # (N, r) s_{k-1}; None = s_0 = 0
-        hidden: torch.Tensor,  # (N, H) h_k
-        prev: torch.Tensor,  # (N,) x_{k-1}
-    ) -> tuple[torch.Tensor | None, torch.Tensor]:  # new state (N, r) or None, latent u_k (N, r); B_k = W2 u_k
-        e = self.prev_embed(prev).to(hidden.dtype)  # (N, r)
-        if self.head_type == "vanilla":
-            return None, e  # eq. (5): B_k = W2 W1[x_{k-1}]
-        if state is None:
-            state = hidden.new_zeros(hidden.shape[0], self.rank)
-        z = torch.cat([state, e, hidden], dim=-1)  # (N, 2r + H)
-        gate, cand, out = self.joint_proj(z).chunk(3, dim=-1)  # eq. (6)
-        gate = torch.sigmoid(gate)
-        new_state = gate * state + (1.0 - gate) * torch.tanh(cand)
-        return new_state, torch.tanh(out)
-
-    def latents(
-        self,
-        hidden: torch.Tensor,  # (A, G, H)
-        prev: torch.Tensor,  # (A, G) teacher-forced previous tokens
-    ) -> torch.Tensor:  # (A, G, r)
-        if self.head_type == "vanilla":
-            return self.prev_embed(prev).to(hidden.dtype)
-        state, out = None, []
-        for k in range(hidden.shape[1]):
-            state, u = self.step(state, hidden[:, k], prev[:, k])
-            out.append(u)
-        return torch.stack(out, dim=1)
-
-    def bias(self, latent: torch.Tensor) -> torch.Tensor:  # (..., r) -> (..., V)
-        return self.markov_w2(latent)
-
-    def bias_at(self, latent: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
-        """B_k at some tokens only: (N, r), (N, M) token ids -> (N, M). Reads M rows of W2 instead of all V."""
-        rows = self.markov_w2.weight[candidates]  # (N, M, r)
-        return (rows @ latent.to(rows.dtype)[:, :, None])[..., 0]  # (N, M)
-
-
-class ConfidenceHead(nn.Module):
-    """DeepSpec's ``AcceptRatePredictor``: one linear unit, eq. (7)."""
-
-    def __init__(self, in_features: int) -> None:
-        super().__init__()
-        self.proj = nn.Linear(in_features, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (...,)
-        return self.proj(x).squeeze(-1)
 
 
 # --------------------------------------------------------------------------- model
@@ -231,11 +71,14 @@ class AttentionGroup:
 
 
 @dataclass
-class BlockOutputs:
-    blocks: Blocks
-    hidden: torch.Tensor  # (A, G, H) final-normed
-    latents: torch.Tensor | None  # (A, G, r) teacher-forced Markov latents
-    confidence_logits: torch.Tensor | None  # (A, G)
+class DSparkOutputs:
+    """The model's outputs on one sequence; only ``anchors`` (empty) when it has no anchor candidate."""
+
+    anchors: torch.Tensor  # (A,) int64
+    blocks: Blocks | None = None
+    hidden: torch.Tensor | None = None  # (A, G, H) final-normed
+    latents: torch.Tensor | None = None  # (A, G, r) teacher-forced Markov latents
+    confidence_logits: torch.Tensor | None = None  # (A, G)
 
 
 class DSparkModel(nn.Module):
@@ -275,9 +118,7 @@ class DSparkModel(nn.Module):
         cfg = dataclasses.replace(cfg, target_layer_ids=list(layer_ids), mask_token_id=int(mask_id))
         base = target_base_config(target)
         model = cls(cfg, draft_spec_from(target.spec, cfg.num_draft_layers), base, target.num_layers)
-        init_weights(model, float(base.get("initializer_range", 0.02)), generator)
-        model.copy_frozen_from(target)
-        return model.to(target.dtype)
+        return finish_new_drafter(model, target, base, generator)
 
     def copy_frozen_from(self, target) -> None:
         copy_frozen_embeddings(self, target)
@@ -301,7 +142,7 @@ class DSparkModel(nn.Module):
                 )
         if num_target_layers is None:
             num_target_layers = target.num_layers if target is not None else max(config.target_layer_ids) + 1
-        base = {k: v for k, v in cfg_dict.items() if k not in _DRAFT_KEYS}
+        base = {k: v for k, v in cfg_dict.items() if k not in DRAFT_KEYS}
         model = cls(config, spec, base, int(num_target_layers))
         return load_drafter_weights(model, folder, f"DSpark drafter {folder}", target)
 
@@ -406,7 +247,15 @@ class DSparkModel(nn.Module):
 
     # ----------------------------------------------------------------- training
 
-    def block_outputs(self, sample: TrainSample, anchors: torch.Tensor) -> BlockOutputs:
+    def forward(self, sample: TrainSample, generator: torch.Generator | None = None) -> DSparkOutputs:
+        """Teacher-forced outputs of up to ``num_anchors`` blocks drawn with ``generator`` (the loss is
+        ``DSparkLoss``'s job)."""
+        anchors = sample_anchors(sample.loss_mask, self.config.num_anchors, generator)
+        if anchors.numel() == 0:
+            return DSparkOutputs(anchors)
+        return self.block_outputs(sample, anchors)
+
+    def block_outputs(self, sample: TrainSample, anchors: torch.Tensor) -> DSparkOutputs:
         """All blocks of one sequence in one packed attention call (teacher-forced heads)."""
         cfg, G = self.config, self.config.block_size
         blocks = build_blocks(sample.input_ids, sample.loss_mask, anchors, G, cfg.mask_token_id)
@@ -422,81 +271,16 @@ class DSparkModel(nn.Module):
         hidden = self.backbone(x, blocks.positions.flatten(), [group]).view(A, G, -1)
         latents = self.markov_head.latents(hidden, blocks.prev_tokens) if self.markov_head is not None else None
         conf = self.confidence_logits(hidden, blocks.prev_tokens)
-        return BlockOutputs(blocks, hidden, latents, conf)
+        return DSparkOutputs(anchors, blocks, hidden, latents, conf)
 
     def block_logits(self, sample: TrainSample, anchors: torch.Tensor) -> torch.Tensor:  # (A, G, V)
         """Teacher-forced Markov-corrected logits of every slot (tests, analysis; materialises A*G*V)."""
         out = self.block_outputs(sample, anchors)
         return self.draft_logits(out.hidden, out.latents)
 
-    def _target_logits(self, target_hidden: torch.Tensor) -> torch.Tensor:  # (m, H) -> (m, V)
+    def target_logits(self, target_hidden: torch.Tensor) -> torch.Tensor:  # (m, H) -> (m, V)
+        """The target's logits from its final-normed hidden state, through the shared (frozen) LM head."""
         return self.base_logits(target_hidden.to(self.lm_head.weight.dtype))
-
-    def _zero_loss(self) -> torch.Tensor:
-        """A zero that touches every trainable parameter (keeps DDP's gradient buckets complete)."""
-        return sum((p.sum() * 0.0 for p in self.trainable_parameters()), torch.zeros((), device=self.fc.weight.device))
-
-    def training_loss(self, sample: TrainSample, generator: torch.Generator | None
-                      ) -> tuple[torch.Tensor, dict[str, float]]:
-        """Loss of eq. (12) on one sequence, and metrics (ce, l1, bce, acc@k, tau, ...)."""
-        cfg = self.config
-        anchors = sample_anchors(sample.loss_mask, cfg.num_anchors, generator)
-        metrics: dict[str, float] = {"num_blocks": float(anchors.numel()), "supervised_tokens": 0.0,
-                                     "weight_sum": 0.0}
-        if anchors.numel() == 0:
-            return self._zero_loss(), {**metrics, "loss": 0.0}
-        out = self.block_outputs(sample, anchors)
-        blocks = out.blocks
-        weights = position_weights(blocks.eval_mask, cfg.loss_decay_gamma)  # (A, G)
-        rows = blocks.eval_mask.flatten().nonzero().squeeze(-1)  # (M,) supervised (block, slot) pairs
-        if rows.numel() == 0:
-            return self._zero_loss(), {**metrics, "loss": 0.0}
-        H = out.hidden.shape[-1]
-        hidden = out.hidden.reshape(-1, H)[rows]  # (M, H)
-        latents = out.latents.reshape(-1, out.latents.shape[-1])[rows] if out.latents is not None else None
-        target_hidden = sample.target_last_hidden[blocks.target_index.flatten()[rows]]  # (M, H)
-        labels = blocks.labels.flatten()[rows]  # (M,)
-        w = weights.flatten()[rows]  # (M,)
-        ce, l1 = chunked_row_terms(self.draft_logits, self._target_logits, (hidden, latents), target_hidden, labels)
-        soft = (1.0 - 0.5 * l1.detach()).clamp(0.0, 1.0)  # eq. (8): c* = sum_v min(p_d, p_t)
-        loss_ce = weighted_mean(ce, w)  # eq. (9)
-        loss_l1 = weighted_mean(l1, w)  # eq. (10)
-        total = cfg.ce_loss_alpha * loss_ce
-        if cfg.l1_loss_alpha > 0:
-            total = total + cfg.l1_loss_alpha * loss_l1
-        metrics.update(ce=float(loss_ce.detach()), l1=float(loss_l1.detach()))
-        if out.confidence_logits is not None:
-            conf = out.confidence_logits.flatten()[rows]
-            loss_bce = weighted_mean(confidence_bce(conf, soft), w)  # eq. (11)
-            total = total + cfg.confidence_head_alpha * loss_bce
-            metrics["bce"] = float(loss_bce.detach())
-            metrics["confidence_abs_error"] = float(weighted_mean((torch.sigmoid(conf.detach()) - soft).abs(), w))
-        metrics.update(self._acceptance_metrics(soft, rows, blocks.eval_mask))
-        metrics["supervised_tokens"] = float(rows.numel())
-        metrics["weight_sum"] = float(w.sum())  # the denominator of every term (for global re-weighting)
-        metrics["loss"] = float(total.detach())
-        return total, metrics  # eq. (12)
-
-    @staticmethod
-    def _acceptance_metrics(soft: torch.Tensor, rows: torch.Tensor, eval_mask: torch.Tensor) -> dict[str, float]:
-        """acc@k = mean soft acceptance sum_v min(p_d, p_t) over supervised slots k; tau = 1 + sum prod acc."""
-        grid = torch.zeros(eval_mask.numel(), device=soft.device)
-        grid[rows] = soft.float()
-        grid = grid.view(eval_mask.shape)
-        out: dict[str, float] = {}
-        counts = eval_mask.sum(0)
-        for k in range(eval_mask.shape[1]):
-            if int(counts[k]) > 0:
-                out[f"acc@{k}"] = float(grid[:, k].sum() / counts[k])
-        tau = tau_estimate(grid, eval_mask)
-        if not math.isnan(tau):
-            out["tau"] = tau
-        return out
-
-    def forward(self, sample: TrainSample, generator: torch.Generator | None = None
-                ) -> tuple[torch.Tensor, dict[str, float]]:
-        """Same as ``training_loss`` (so DDP/FSDP wrappers, which hook ``forward``, work)."""
-        return self.training_loss(sample, generator)
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         """Everything except the frozen embed_tokens and lm_head."""
@@ -506,7 +290,7 @@ class DSparkModel(nn.Module):
     # ----------------------------------------------------------------- checkpoint
 
     def hf_config(self) -> dict[str, Any]:
-        """config.json in DeepSpec's layout: the target config plus top-level draft keys (interop-facts §1)."""
+        """config.json in DeepSpec's layout: the target config plus top-level draft keys (docs/interop.md §Drafter checkpoints)."""
         cfg = self.config
         n = self.spec.num_layers
         out = copy.deepcopy(self.base_config)
@@ -539,45 +323,3 @@ class DSparkModel(nn.Module):
     def save_checkpoint(self, folder: Path, dtype: torch.dtype = torch.float32) -> None:
         """Write model.safetensors + config.json into ``folder`` (DeepSpec saves bf16; pass dtype=torch.bfloat16)."""
         write_checkpoint(Path(folder), self.state_dict(), self.hf_config(), dtype)
-
-
-# keys of config.json that belong to the draft, not to the copied target config
-_DRAFT_KEYS = {
-    "architectures", "num_target_layers", "block_size", "mask_token_id", "target_layer_ids", "num_anchors",
-    "enable_confidence_head", "markov_rank", "markov_head_type", "confidence_head_with_markov",
-    "loss_decay_gamma", "ce_loss_alpha", "l1_loss_alpha", "confidence_head_alpha", "dflash_config",
-    "torch_dtype", "dtype",
-}
-
-
-def config_from_checkpoint(cfg: dict[str, Any], folder: Path | str = "") -> DSparkConfig:
-    """DSparkConfig from a DeepSpec config.json (top-level keys; SpecForge's ``dflash_config`` also read)."""
-    nested = cfg.get("dflash_config") or {}
-
-    def get(key: str, default: Any = None) -> Any:
-        return cfg.get(key, nested.get(key, default))
-
-    for key in ("block_size", "target_layer_ids", "mask_token_id"):
-        if get(key) is None:
-            raise ModelLoadError(f"{folder}/config.json lacks {key!r}: not a DSpark/DFlash checkpoint")
-    rank = int(get("markov_rank", 0) or 0)
-    conf = bool(get("enable_confidence_head", False))
-    defaults = DSparkConfig() if rank > 0 or conf else DSparkConfig.dflash()
-    try:
-        return DSparkConfig(
-            block_size=int(get("block_size")),
-            num_draft_layers=int(cfg["num_hidden_layers"]),
-            target_layer_ids=[int(i) for i in get("target_layer_ids")],
-            mask_token_id=int(get("mask_token_id")),
-            num_anchors=int(get("num_anchors", defaults.num_anchors)),
-            markov_rank=rank,
-            markov_head_type=str(get("markov_head_type", "vanilla")).lower(),
-            enable_confidence_head=conf,
-            confidence_head_with_markov=bool(get("confidence_head_with_markov", False)) and conf,
-            loss_decay_gamma=float(get("loss_decay_gamma", defaults.loss_decay_gamma)),
-            ce_loss_alpha=float(get("ce_loss_alpha", defaults.ce_loss_alpha)),
-            l1_loss_alpha=float(get("l1_loss_alpha", defaults.l1_loss_alpha)),
-            confidence_head_alpha=float(get("confidence_head_alpha", defaults.confidence_head_alpha)),
-        )
-    except (ValueError, KeyError) as err:
-        raise ModelLoadError(f"{folder}/config.json: invalid DSpark settings ({err})") from None

@@ -1,4 +1,4 @@
-"""Eagle3 drafting inside the speculative loop: a chain of <= gamma autoregressive drafts (interop-facts §4).
+"""Eagle3 drafting inside the speculative loop: a chain of <= gamma autoregressive drafts (docs/interop.md §Eagle3).
 
 Shapes: R = requests, K = drafts this step, V = vocabulary, H = hidden size,
 n = committed positions fed to the target (len(tokens) - 1).
@@ -24,6 +24,7 @@ import torch
 
 from dspark.drafters.base import DraftBlock, RequestState
 from dspark.drafters.eagle3.model import Eagle3Model
+from dspark.drafters.options import DraftingOptions
 from dspark.modeling.kv_cache import KVCache
 from dspark.sampling.processing import logits_to_probs, sample_from_probs
 
@@ -104,3 +105,8 @@ def load_eagle3_drafter(path: str | Path, target, block_size: int | None = None)
     """Load an Eagle3 checkpoint (DeepSpec layout) as a drafter for ``target``; block_size None = checkpoint's."""
     model = Eagle3Model.from_checkpoint(Path(path), target)
     return Eagle3Drafter(model.to(target.dtype), block_size)
+
+
+def load_with_options(path: Path, target, options: DraftingOptions) -> Eagle3Drafter:
+    """``load_eagle3_drafter`` with ``options.block_size``: the registry's loader."""
+    return load_eagle3_drafter(path, target, options.block_size)

@@ -1,4 +1,4 @@
-"""The Eagle3 draft model and its training-time-test (TTT) loss (interop-facts §4).
+"""The Eagle3 draft model and its training-time-test (TTT) steps (docs/interop.md §Eagle3).
 
 Shapes: L = sequence length, N = tokens, H = hidden size, F = len(target_layer_ids) * H,
 V = vocabulary, Hq / Hkv / D = query heads / KV heads / head dim, T = ttt_length.
@@ -16,7 +16,7 @@ softmax(lm_head(target_last_hidden[i+1])). TTT step s (0-based) shifts the token
 more, feeds back the previous step's output hidden state, and uses RoPE position i+s.
 At step s, query i sees the step-0 keys j <= i (causal) and its own keys of steps
 1..s (the "diagonal"); that is exactly what the autoregressive chain at inference
-sees, so training and drafting agree. Loss: sum_s decay^s * sum_i mask * softCE / L.
+sees, so training and drafting agree. Loss (``loss.py``): sum_s decay^s * sum_i mask * softCE / L.
 
 Names: ``embed_tokens``, ``fc``, ``layers.{i}.{self_attn,mlp,hidden_norm,input_layernorm,
 post_attention_layernorm}``, ``norm``, ``lm_head``.
@@ -34,57 +34,24 @@ import torch
 from torch import nn
 
 from dspark.drafters.checkpoint import (
-    copy_frozen_embeddings,
-    load_drafter_weights,
     arch_name,
     check_layer_ids,
     check_target_fit,
+    copy_frozen_embeddings,
     draft_spec_from,
-    init_weights,
+    finish_new_drafter,
+    load_drafter_weights,
     target_base_config,
     write_checkpoint,
 )
+from dspark.drafters.eagle3.config import Eagle3Config
+from dspark.drafters.sample import TrainSample
 from dspark.errors import ModelLoadError
 from dspark.modeling.decoder import causal_mask
 from dspark.modeling.kv_cache import KVCache
 from dspark.modeling.layers import MLP, Attention, RMSNorm
 from dspark.modeling.spec import DecoderSpec, spec_from_config
 from dspark.modeling.weights import read_config
-from dspark.drafters.losses import chunked_soft_cross_entropy, eagle3_step_weight
-from dspark.drafters.sample import TrainSample
-
-
-@dataclass
-class Eagle3Config:
-    ttt_length: int = 7  # training-time-test steps
-    step_loss_decay: float = 0.8  # weight of step s is decay ** s
-    draft_num_hidden_layers: int = 1
-    target_layer_ids: list[int] | None = None  # None: target.default_layer_ids()
-    block_size: int = 7  # drafts per step at inference (chain length)
-
-    def __post_init__(self) -> None:
-        if self.ttt_length < 1:
-            raise ValueError(f"ttt_length must be >= 1, got {self.ttt_length}")
-        if not 0.0 < self.step_loss_decay <= 1.0:
-            raise ValueError(f"step_loss_decay must be in (0, 1], got {self.step_loss_decay}")
-        if self.draft_num_hidden_layers < 1:
-            raise ValueError(f"draft_num_hidden_layers must be >= 1, got {self.draft_num_hidden_layers}")
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-        if self.target_layer_ids is not None:
-            self.target_layer_ids = [int(i) for i in self.target_layer_ids]
-            check_layer_ids(self.target_layer_ids)
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> "Eagle3Config":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"unknown Eagle3 config keys {unknown}; known keys: {sorted(known)}")
-        return cls(**values)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 class Eagle3Layer(nn.Module):
@@ -138,6 +105,13 @@ def ttt_attention(
     return out.reshape(Hq, L, D).transpose(0, 1).reshape(L, Hq * D)
 
 
+@dataclass
+class Eagle3Outputs:
+    """The model's outputs on one sequence."""
+
+    hidden: list[torch.Tensor]  # T tensors (L, H): output hidden state (pre-norm) of TTT step s at position i
+
+
 class Eagle3Model(nn.Module):
     def __init__(self, config: Eagle3Config, spec: DecoderSpec, base_config: dict[str, Any],
                  num_target_layers: int, target_name: str = "") -> None:
@@ -168,9 +142,7 @@ class Eagle3Model(nn.Module):
         base = target_base_config(target)
         model = cls(cfg, draft_spec_from(target.spec, cfg.draft_num_hidden_layers), base, target.num_layers,
                     str(getattr(target, "name", "")))
-        init_weights(model, float(base.get("initializer_range", 0.02)), generator)
-        model.copy_frozen_from(target)
-        return model.to(target.dtype)
+        return finish_new_drafter(model, target, base, generator)
 
     def copy_frozen_from(self, target) -> None:
         copy_frozen_embeddings(self, target)
@@ -225,7 +197,8 @@ class Eagle3Model(nn.Module):
             out = torch.tanh(out / self.spec.final_softcap) * self.spec.final_softcap
         return out
 
-    def _target_logits(self, target_hidden: torch.Tensor) -> torch.Tensor:  # (N, H) final-normed -> (N, V)
+    def target_logits(self, target_hidden: torch.Tensor) -> torch.Tensor:  # (N, H) final-normed -> (N, V)
+        """The target's logits from its final-normed hidden state, through the shared (frozen) LM head."""
         out = self.lm_head(target_hidden.to(self.lm_head.weight.dtype))
         if self.spec.final_softcap:
             out = torch.tanh(out / self.spec.final_softcap) * self.spec.final_softcap
@@ -248,9 +221,14 @@ class Eagle3Model(nn.Module):
 
     # ----------------------------------------------------------------- training
 
+    def forward(self, sample: TrainSample, generator: torch.Generator | None = None) -> Eagle3Outputs:
+        """The output hidden states of every TTT step (the loss is ``Eagle3Loss``'s job; no sampling here)."""
+        del generator
+        return Eagle3Outputs([h for h, _ in self._ttt_steps(sample)])
+
     def ttt_hidden_states(self, sample: TrainSample) -> list[torch.Tensor]:
         """Output hidden states of every TTT step, each (L, H) (tests, analysis)."""
-        return [h for h, _ in self._ttt_steps(sample)]
+        return self(sample).hidden
 
     def _ttt_steps(self, sample: TrainSample):
         """Yield (hidden (L, H), step ids) for s = 0..T-1."""
@@ -271,51 +249,6 @@ class Eagle3Model(nn.Module):
             hidden = self.run_layers(step_ids, hidden, base_pos + s, attend)
             yield hidden, step_ids
             step_ids = torch.cat([step_ids[1:], step_ids.new_zeros(1)])
-
-    def training_loss(self, sample: TrainSample, generator: torch.Generator | None = None
-                      ) -> tuple[torch.Tensor, dict[str, float]]:
-        """sum_s decay^s * (sum_i mask_s[i] softCE_s[i]) / L (DeepSpec normalises by B*T); metrics acc@s."""
-        L = sample.seq_len
-        cfg = self.config
-        # mask of step 0 at position i: loss_mask[i] and a next position exists; step s shifts it by s
-        mask0 = sample.loss_mask.bool().clone()
-        mask0[-1] = False
-        total = self._zero_loss()
-        metrics: dict[str, float] = {}
-        dev = sample.input_ids.device
-        expected, alive = torch.zeros((), device=dev), None
-        for s, (hidden, _) in enumerate(self._ttt_steps(sample)):
-            mask = torch.cat([mask0[s:], mask0.new_zeros(min(s, L))])[:L]  # (L,) = mask0[i + s]
-            rows = mask.nonzero().squeeze(-1)  # (M,)
-            if rows.numel() == 0:
-                continue
-            # teacher: the target's distribution at i + 1 + s (the token x_{i+2+s})
-            ce, acc = chunked_soft_cross_entropy(self.logits, self._target_logits, hidden[rows],
-                                                 sample.target_last_hidden[rows + 1 + s])
-            step_loss = ce.sum() / L
-            total = total + eagle3_step_weight(s, cfg.step_loss_decay) * step_loss
-            metrics[f"ploss_{s}"] = float(step_loss.detach())
-            metrics[f"acc@{s}"] = float(acc.mean())
-            if s == 0:
-                alive = torch.zeros(L, device=dev)
-                alive[rows] = 1.0
-                starts = alive.sum()
-            step_acc = torch.zeros(L, device=dev)
-            step_acc[rows] = acc.float()
-            alive = alive * step_acc  # chains that start at i: prod of acceptances up to step s
-            expected = expected + alive.sum()
-        if alive is not None and float(starts) > 0:
-            metrics["tau"] = float(1.0 + expected / starts)
-        metrics["loss"] = float(total.detach())
-        return total, metrics
-
-    def _zero_loss(self) -> torch.Tensor:
-        return sum((p.sum() * 0.0 for p in self.trainable_parameters()), torch.zeros((), device=self.fc.weight.device))
-
-    def forward(self, sample: TrainSample, generator: torch.Generator | None = None
-                ) -> tuple[torch.Tensor, dict[str, float]]:
-        """Same as ``training_loss`` (DDP/FSDP hook ``forward``)."""
-        return self.training_loss(sample, generator)
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         frozen = {id(self.embed_tokens.weight), id(self.lm_head.weight)}

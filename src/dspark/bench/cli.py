@@ -1,0 +1,206 @@
+"""The commands of the `dspark bench` group: `bench serve` (serving load test) and `bench speed` (decoding speed).
+
+``dspark.cli`` creates the group and calls ``add_serve`` and ``add_speed`` with its subparsers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+from pathlib import Path
+
+from dspark.data.eval_sets import DEFAULT_SEED
+from dspark.drafters.options import DTYPE_NAMES
+from dspark.errors import DSparkError
+from dspark.serving.cli import add_model_args, set_threads
+from dspark.target.presets import DEFAULT_TARGET
+
+DEFAULT_SPEED_OUT = "docs/performance"
+DEFAULT_SPEED_DOC = "docs/performance.md"
+
+
+# ---------------------------------------------------------------- flag values
+
+def _comma_list(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def _positive_ints(text: str) -> list[int]:
+    try:
+        values = [int(t) for t in _comma_list(text)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    return values
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        values = [float(t) for t in _comma_list(text)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if not values or min(values) < 0:
+        raise argparse.ArgumentTypeError(f"expected temperatures >= 0, got {text!r}")
+    return values
+
+
+def _named_path(text: str) -> list[str]:
+    name, sep, path = text.partition("=")
+    if not sep or not name.strip() or not path.strip():
+        raise argparse.ArgumentTypeError(
+            f"expected NAME=CHECKPOINT (e.g. dspark-markov=runs/x/step_latest), got {text!r}")
+    return [name.strip(), path.strip()]
+
+
+def _command_line(command: str) -> str:
+    """The `dspark bench COMMAND ...` that ran, for the report (the bench/ scripts pass the flags only)."""
+    flags = sys.argv[1:]
+    if "bench" in flags and command in flags:  # `dspark [--threads N] bench COMMAND ...`
+        flags = flags[: flags.index("bench")] + flags[flags.index(command) + 1:]
+    return " ".join(["dspark", "bench", command, *(shlex.quote(a) for a in flags)])
+
+
+# ---------------------------------------------------------------- dspark bench serve
+
+def add_serve(bench: argparse._SubParsersAction) -> None:
+    from dspark.scheduler.adapter import POLICY_HELP
+
+    b = bench.add_parser(
+        "serve", help="load-test the server per verify policy and concurrency (paper Figs. 7, 8)",
+        description="Starts an in-process server per policy and runs closed-loop HTTP clients on 127.0.0.1. "
+        "Writes serve_load.json, serve_load.md, throughput_vs_user_speed.png and verify_budget.png. "
+        "Example: dspark bench serve --policies fixed:1,alg1,async,all --concurrency 1,2,4,8 "
+        "--num-requests 16 --max-tokens 64",
+    )
+    add_model_args(b)
+    b.add_argument("--policies", type=_comma_list, default=["fixed:1", "alg1", "async", "all"],
+                   help=f"comma-separated policies ({POLICY_HELP}) (default: fixed:1,alg1,async,all)")
+    b.add_argument("--concurrency", type=_positive_ints, default=[1, 2, 4, 8],
+                   help="comma-separated client counts (default: 1,2,4,8)")
+    b.add_argument("--num-requests", type=int, default=16,
+                   help="requests per point, at least the concurrency (default: %(default)s)")
+    b.add_argument("--max-tokens", type=int, default=64, help="max_tokens per request (default: %(default)s)")
+    b.add_argument("--temperature", type=float, default=1.0, help="(default: %(default)s)")
+    b.add_argument("--prompts", default=None,
+                   help='{"turns": [...]} JSONL (first turn used); default: a mix of the packaged evaluation sets')
+    b.add_argument("--time-limit", type=float, default=300.0,
+                   help="seconds per point after which clients send no new requests (default: %(default)s)")
+    b.add_argument("--seed", type=int, default=0, help="request i uses seed + i (default: %(default)s)")
+    b.add_argument("--url", default=None, help="measure this running server instead of starting one per policy")
+    b.add_argument("--api-key", default=None, help="API key for --url (default: $DSPARK_API_KEY)")
+    b.add_argument("--out-dir", default="docs/serving", help="(default: %(default)s)")
+    b.set_defaults(func=_bench_serve)
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    from dspark.bench.serve_load import SweepConfig, run_sweep, write_report
+
+    set_threads(args.threads)
+    cfg = SweepConfig(
+        target=args.target, drafter=args.drafter, policies=args.policies, concurrency=args.concurrency,
+        num_requests=args.num_requests, max_tokens=args.max_tokens, temperature=args.temperature,
+        prompts=args.prompts, block_size=args.block_size, head_top_m=args.head_top_m,
+        draft_vocab=args.draft_vocab, sps_table=args.sps_table, sts=args.sts,
+        fallback_confidence=args.fallback_confidence, time_limit_s=args.time_limit, seed=args.seed,
+        url=args.url, api_key=args.api_key or os.environ.get("DSPARK_API_KEY") or None,
+    )
+    rows, meta = run_sweep(cfg)
+    for path in write_report(rows, meta, args.out_dir, _command_line("serve")):
+        print(f"wrote {path}")
+    return 0
+
+
+# ---------------------------------------------------------------- dspark bench speed
+
+def add_speed(bench: argparse._SubParsersAction) -> None:
+    p = bench.add_parser(
+        "speed", help="single-request tokens/s: HF generate / prompt lookup / assisted vs our engine and drafters",
+        description="Decodes the same evaluation prompts at batch size 1, greedy and at temperature 1.0, with HF "
+        "transformers (generate, prompt lookup, assisted generation with --draft-lm) and our engine (plain, prompt "
+        "lookup, --draft-lm, each --drafter at --block-sizes), interleaved per prompt after a warm-up. Reports "
+        "tokens/s, ratios to hf-generate and ours-plain, acceptance length, draft/verify ms per step, the ideal "
+        "speedup tau*t_AR/(t_draft+t_verify), efficiency, greedy equality with hf-generate and peak RSS. Writes "
+        "OUT/speed.json, OUT/speed.md and docs/performance.md.",
+        epilog="example: dspark bench speed --draft-lm runs/smollm2-draft-lm/step_latest "
+        "--drafter dspark-markov=runs/smollm2-dspark-markov/step_latest "
+        "--drafter dflash=runs/smollm2-dflash/step_latest --drafter eagle3=runs/smollm2-eagle3/step_latest "
+        "--block-sizes 7,4",
+    )
+    p.add_argument("--target", default=DEFAULT_TARGET, help="preset or HF folder (default: %(default)s)")
+    p.add_argument("--sets", default="all",
+                   help="comma-separated evaluation sets, domains (math, code, chat) or all (default: %(default)s)")
+    p.add_argument("--per-set", type=int, default=2, help="prompts per set (default: %(default)s)")
+    p.add_argument("--eval-dir", default=None, help="folder of the evaluation JSONL files (default: $DSPARK_EVAL_DIR, else the sets shipped with dspark)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="(default: %(default)s)")
+    p.add_argument("--temperatures", type=_floats, default=[0.0, 1.0], help="comma-separated (default: 0,1)")
+    p.add_argument("--seed", type=int, default=DEFAULT_SEED,
+                   help="sample idx of a set samples with seed + idx (default: %(default)s)")
+    p.add_argument("--max-prompt-tokens", type=int, default=1024,
+                   help="skip longer prompts (the next of the set is taken) (default: %(default)s)")
+    p.add_argument("--draft-lm", default=None, metavar="FOLDER",
+                   help="distilled draft LM (`dspark train --config smollm2-draft-lm`) for hf-assisted and "
+                   "ours-draft-lm")
+    p.add_argument("--draft-lm-block-size", type=int, default=None,
+                   help="draft tokens per step for both draft-LM rows (default: the folder's, else 4)")
+    p.add_argument("--drafter", dest="drafters", action="append", type=_named_path, default=[],
+                   metavar="NAME=CHECKPOINT", help="a trained DSpark/DFlash/Eagle3 checkpoint (repeatable)")
+    p.add_argument("--block-sizes", type=_positive_ints, default=None,
+                   help="comma-separated block sizes for every --drafter; larger than a checkpoint's own are skipped "
+                   "(default: each checkpoint's own)")
+    p.add_argument("--prompt-lookup-tokens", type=int, default=7,
+                   help="tokens proposed by prompt lookup, HF's and ours (default: %(default)s)")
+    p.add_argument("--no-hf", dest="include_hf", action="store_false", help="skip the transformers rows")
+    p.add_argument("--head-top-m", type=_positive_ints, default=None, metavar="M[,M...]",
+                   help="also time every DSpark --drafter with its head restricted to the top M base tokens "
+                   "(rows '<name>-topM'; see `dspark generate --help`)")
+    p.add_argument("--draft-vocab", default=None, metavar="FILE",
+                   help="also time every DSpark/DFlash --drafter drafting only this `dspark data vocab` file's "
+                   "tokens (with the last --head-top-m, if given)")
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default="float32",
+                   help="dtype of the target, the drafters and the HF models (default: %(default)s)")
+    p.add_argument("--compile", action="store_true",
+                   help="also time ours-plain and every --drafter at each block size (its cheapest variant) with a "
+                   "torch.compile'd target (rows named '+compile', measured in the same run)")
+    p.add_argument("--warmup-tokens", type=int, default=16, help="tokens of the warm-up call (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=argparse.SUPPRESS,
+                   help="torch CPU threads (default: the global --threads, else torch's choice)")
+    p.add_argument("--out-dir", default=DEFAULT_SPEED_OUT, help="(default: %(default)s)")
+    p.add_argument("--doc", default=DEFAULT_SPEED_DOC,
+                   help="the Markdown page to write ('' for none) (default: %(default)s)")
+    p.add_argument("--from-json", default=None, metavar="FILE",
+                   help="re-render speed.md and --doc from an earlier speed.json; measure nothing")
+    p.set_defaults(func=_bench_speed)
+
+
+def _bench_speed(args: argparse.Namespace) -> int:
+    from dspark.bench.speed import run_speed_bench
+    from dspark.bench.speed_methods import SpeedConfig
+    from dspark.bench.speed_report import write_outputs
+    from dspark.data.eval_sets import parse_dataset_names
+
+    if args.from_json:
+        result = json.loads(Path(args.from_json).read_text())
+    else:
+        set_threads(getattr(args, "threads", None))
+        for name in ("per_set", "max_new_tokens", "prompt_lookup_tokens", "warmup_tokens", "max_prompt_tokens"):
+            if getattr(args, name) < 1:
+                raise DSparkError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+        cfg = SpeedConfig(
+            target=args.target, sets=parse_dataset_names(args.sets), per_set=args.per_set, eval_dir=args.eval_dir,
+            max_new_tokens=args.max_new_tokens, temperatures=args.temperatures, seed=args.seed,
+            max_prompt_tokens=args.max_prompt_tokens, draft_lm=args.draft_lm,
+            draft_lm_block_size=args.draft_lm_block_size, drafters=args.drafters, block_sizes=args.block_sizes,
+            prompt_lookup_tokens=args.prompt_lookup_tokens, include_hf=args.include_hf,
+            warmup_tokens=args.warmup_tokens, dtype=args.dtype, compile=args.compile, head_top_m=args.head_top_m,
+            draft_vocab=args.draft_vocab,
+        )
+        result = run_speed_bench(cfg, _command_line("speed"), lambda msg: print(msg, file=sys.stderr, flush=True))
+    paths = write_outputs(result, args.out_dir, args.doc or None)
+    print(Path(paths[1]).read_text())
+    for path in paths:
+        print(f"wrote {path}")
+    return 0

@@ -1,0 +1,67 @@
+"""The study commands: `dspark reproduce` (the whole offline study) and `dspark demo` (the README's command).
+
+``dspark.cli`` registers both with ``add_reproduce`` and ``add_demo``.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from dspark.drafters.options import add_drafter_options, add_target_options
+from dspark.studies import reproduce
+from dspark.studies.demo import run_demo
+from dspark.target.presets import DEFAULT_TARGET
+
+
+def add_reproduce(sub: argparse._SubParsersAction) -> None:
+    budgets = reproduce.BUDGETS
+    p = sub.add_parser(
+        "reproduce", help="run the whole study (data, training, calibration, evaluation, figures, docs/results.md)",
+        description=reproduce.__doc__.split("\n\n")[0] + "\n\nResumable: finished steps are skipped. Budgets: "
+        + "; ".join(f"{b.name}: {b.num_prompts} prompts, {b.train_time_s:g}s per drafter, eval limit "
+                    f"{b.eval_limit or 'caps'}" for b in budgets.values()),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--budget", choices=list(budgets), default=reproduce.DEFAULT_BUDGET,
+                   help="(default: %(default)s)")
+    p.add_argument("--out", default="runs/reproduce", help="working folder (default: %(default)s)")
+    p.add_argument("--target", default=DEFAULT_TARGET, help="target preset or HF folder (default: %(default)s)")
+    p.add_argument("--ablations", action="store_true", help="also the depth (Fig. 3) and block-size (Fig. 4) ablations")
+    p.add_argument("--data", default=None, metavar="TOKDIR",
+                   help="use this tokenized dataset (dspark data tokenize) instead of building one")
+    p.add_argument("--docs", default="docs/results.md", help="results page to write (default: %(default)s)")
+    p.add_argument("--dry-run", action="store_true", help="print the commands (with done/todo) and run nothing")
+    p.set_defaults(func=_reproduce)
+
+
+def _reproduce(args: argparse.Namespace) -> int:
+    docs = reproduce.run_study(reproduce.BUDGETS[args.budget], args.out, args.target, args.ablations, args.data,
+                              args.docs, args.dry_run)
+    if docs is not None:
+        print(f"wrote {docs}")
+    return 0
+
+
+def add_demo(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "demo", help="end-to-end demo: prepare SmolLM2, get a DSpark drafter, compare decoding speed",
+        description="Reuses a drafter from --drafter, runs/smollm2-dspark-markov, runs/study/train-long/dspark-markov, "
+        "runs/study/train/dspark-markov or $DSPARK_HOME/demo; otherwise builds a small training set with the target and trains one for "
+        "--train-minutes. Then decodes a few evaluation prompts (greedy) and prints a table. Unlike the other "
+        "commands it defaults to the fastest CPU settings: --dtype bfloat16, --head-top-m 64 and a draft vocabulary "
+        "built from the drafter's training data.",
+    )
+    p.add_argument("--target", default=DEFAULT_TARGET, help="preset or HF folder (default: %(default)s)")
+    add_target_options(p)
+    p.add_argument("--drafter", default=None, help="a DSpark checkpoint folder to use instead of finding/training one")
+    add_drafter_options(p)
+    p.add_argument("--work-dir", default=None, help="where demo data and the demo drafter go (default: $DSPARK_HOME/demo)")
+    p.add_argument("--train-minutes", type=float, default=5.0, help="training time for a new demo drafter (default: %(default)s)")
+    p.add_argument("--num-train-prompts", type=int, default=96, help="prompts regenerated for training (default: %(default)s)")
+    p.add_argument("--prompts-per-set", type=int, default=2, help="evaluation prompts per benchmark (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="per prompt (default: %(default)s)")
+    p.add_argument("--draft-vocab-size", type=int, default=4096, metavar="N",
+                   help="without --draft-vocab, build one of N tokens from the drafter's own training data "
+                   "(its train_config.json), 0 = draft from the whole vocabulary (default: %(default)s)")
+    # the fastest settings measured on a CPU (docs/performance.md); --dtype float32 / --head-top-m 0 undo them
+    p.set_defaults(func=run_demo, dtype="bfloat16", head_top_m=64)
