@@ -4,6 +4,16 @@ import torch
 from tests.tiny import tiny_target
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``cuda`` need a GPU: skipped without one (bench/gpu_check.sh runs them where one exists)."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def one_thread():
     """Tests run tiny models: a second OpenMP thread only adds overhead and contention on 2-core machines."""

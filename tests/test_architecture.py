@@ -18,12 +18,12 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src" / "dspark"
 
 LAYERS: list[set[str]] = [
-    {"errors", "tables", "presets"},
+    {"errors", "tables", "presets", "extras"},
     {"sampling", "modeling"},
     {"target"},
     {"drafters"},
     {"generation", "scheduler"},
-    {"data", "training", "evaluation", "serving"},
+    {"data", "training", "evaluation", "serving", "simulate"},
     {"bench", "studies"},
     {"cli", "__main__"},
 ]

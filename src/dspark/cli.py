@@ -17,9 +17,12 @@ from dspark.evaluation import cli as evaluation_cli
 from dspark.generation import cli as generation_cli
 from dspark.scheduler import cli as scheduler_cli
 from dspark.serving import cli as serving_cli
+from dspark.simulate import cli as simulate_cli
 from dspark.studies import cli as studies_cli
 from dspark.target import cli as target_cli
 from dspark.training import cli as training_cli
+from dspark.training import export as training_export
+from dspark.training import export_engines
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
@@ -29,6 +32,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
     bench_cli.add_serve(bench)
     bench_cli.add_speed(bench)
+    bench_cli.add_chaos(bench)
+    bench_cli.add_train(bench)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,10 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
     generation_cli.add_cli(sub)  # generate
     data_cli.add_cli(sub)  # data {prompts, regenerate, tokenize, features, vocab}
     training_cli.add_cli(sub)  # train
+    training_export.add_cli(sub)  # export-vocab
+    export_engines.add_cli(sub)  # export --to sglang|vllm
     evaluation_cli.add_cli(sub)  # eval, calibrate
     studies_cli.add_reproduce(sub)  # reproduce
     scheduler_cli.add_cli(sub)  # profile
     serving_cli.add_cli(sub)  # serve
+    simulate_cli.add_cli(sub)  # simulate
     _add_bench(sub)  # bench {serve, speed}
     studies_cli.add_demo(sub)  # demo
     return parser

@@ -15,3 +15,9 @@ class IncompatibleModelsError(DSparkError):
 
 class PromptError(DSparkError):
     """A prompt is empty or does not fit into the model's context."""
+
+
+class BadFileError(DSparkError, ValueError):
+    """A file the user gave (STS, SPS table, tokenized data, training state, config) is missing or malformed.
+
+    The message names the file and what is wrong with it, on one line."""

@@ -23,19 +23,18 @@ def preset_names() -> list[str]:
 def read_preset(name_or_path: str, error: type[DSparkError] = DSparkError) -> dict[str, Any]:
     """The config a JSON file or a bundled preset holds; ``error`` is raised for a missing or malformed one."""
     path = Path(name_or_path).expanduser()
-    if path.is_file():
-        text = path.read_text()
-    else:
-        res = resources.files("dspark").joinpath("configs").joinpath(f"{name_or_path.removesuffix('.json')}.json")
-        if not res.is_file():
+    source = path
+    if not path.is_file():
+        source = resources.files("dspark").joinpath("configs", f"{name_or_path.removesuffix('.json')}.json")
+        if not source.is_file():
             raise error(f"--config {name_or_path!r}: no such file and no such preset; presets: {', '.join(preset_names())}")
-        text, path = res.read_text(), Path(str(res))
+        path = Path(str(source))
     try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise error(f"{path} is not valid JSON ({err})") from None
+        raw = json.loads(source.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:  # ValueError: not JSON, or not UTF-8
+        raise error(f"config {path} is not valid JSON ({err})") from None
     if not isinstance(raw, dict):
-        raise error(f"{path} must hold a JSON object")
+        raise error(f"config {path} must hold a JSON object of training config fields")
     return {k: v for k, v in raw.items() if not k.startswith("_")}
 
 

@@ -18,10 +18,10 @@ def _choices(parser: argparse.ArgumentParser) -> list[str]:
 
 def test_every_command_is_registered_once_in_the_listed_order():
     parser = build_parser()
-    assert _choices(parser) == ["prepare", "generate", "data", "train", "eval", "calibrate", "reproduce", "profile",
-                                "profile-sps", "serve", "bench", "demo"]
+    assert _choices(parser) == ["prepare", "generate", "data", "train", "export-vocab", "export", "eval", "calibrate",
+                                "reproduce", "profile", "profile-sps", "serve", "simulate", "bench", "demo"]
     bench = parser._subparsers._group_actions[0].choices["bench"]
-    assert _choices(bench) == ["serve", "speed"]
+    assert _choices(bench) == ["serve", "speed", "chaos", "train"]
 
 
 def test_bench_commands_parse_their_flags():

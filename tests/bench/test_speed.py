@@ -125,3 +125,22 @@ def test_cheaper_drafting_variants_get_their_own_rows(tmp_path):
     assert {"ours-ds@k4", "ours-ds-top3@k4", "ours-ds-top3-vocab48@k4"} <= set(rows)
     assert all(r["greedy_match"] == [1, 1] for r in rows.values())
     assert "top 3" in rows["ours-ds-top3-vocab48@k4"]["note"]
+
+
+def test_hybrid_rows_and_jsonl_prompt_sets(tmp_path):
+    from dspark.drafters.dspark.drafter import save_dspark_checkpoint
+    from tests.drafters.tiny_drafters import tiny_dspark
+
+    target = _tiny_hf_target(tmp_path / "target")
+    save_dspark_checkpoint(tiny_dspark(target), tmp_path / "ds")
+    own = tmp_path / "mine.jsonl"
+    own.write_text(json.dumps({"turns": ["the cat sat on the mat and the cat sat on the mat and the cat"]}) + "\n")
+    cfg = SpeedConfig(target=str(tmp_path / "target"), sets=[], jsonl=[["mine", str(own)]], per_set=1,
+                      max_new_tokens=8, temperatures=[0.0], warmup_tokens=2, max_prompt_tokens=400, include_hf=False,
+                      drafters=[["ds", str(tmp_path / "ds")]], hybrid=True, hybrid_min_ngram=2)
+    result = run_speed_bench(cfg, "t", log=lambda msg: None)
+    rows = {r["key"]: r for r in result["rows"]}
+    assert {"ours-ds@k4", "ours-ds+hybrid@k4"} <= set(rows)
+    assert all(r["greedy_match"] == [1, 1] for r in rows.values())  # the hybrid is lossless too
+    assert "prompt lookup where the context repeats a 2-gram" in rows["ours-ds+hybrid@k4"]["note"]
+    assert {p["dataset"] for p in result["prompts"]} == {"mine"}

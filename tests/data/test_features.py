@@ -14,6 +14,7 @@ from dspark.data.features import (
     compute_features,
 )
 from dspark.training.trainer import train
+from dspark.target.model import load_target
 from tests.tiny import tiny_target
 
 LAYERS = [0, 2, 3]
@@ -42,6 +43,7 @@ def test_bytes_per_token_formula():
     assert bytes_per_token(576, 5) == 6 + 2 * 576 * 6 == 6918  # SmolLM2-135M, 5 layers
     assert bytes_per_token(2560, 5) == 30726  # Qwen3-4B, docs/interop.md §Feature cache
     assert bytes_per_token(576, 5, attention_mask=False) == 6917
+    assert bytes_per_token(576, 5, logsumexp=True) == 6922  # + the float32 log-sum-exp of our builds
 
 
 def test_cache_round_trip_manifest_and_sizes(tmp_path):
@@ -57,7 +59,8 @@ def test_cache_round_trip_manifest_and_sizes(tmp_path):
     assert [s["file_name"] for s in m["shards"]] == [f"shard-{i:05d}.bin" for i in range(m["num_shards"])]
     assert (out / "samples.idx").stat().st_size == 4 * 56
     shard_bytes = sum((out / s["file_name"]).stat().st_size for s in m["shards"])
-    assert shard_bytes == (9 + 30 + 5 + 21) * bytes_per_token(32, len(LAYERS))
+    assert shard_bytes == (9 + 30 + 5 + 21) * bytes_per_token(32, len(LAYERS), logsumexp=True)
+    assert m["target_logsumexp_dtype"] == "float32" and m["vocab_size"] == 96 and m["num_target_layers"] == 4
     rec = INDEX_RECORD.unpack((out / "samples.idx").read_bytes()[56:112])  # DeepSpec's <QIIQQQQQ
     assert rec[0] == 1 and rec[2] == 30
 
@@ -68,6 +71,9 @@ def test_cache_round_trip_manifest_and_sizes(tmp_path):
         features, last = compute_features(target, item["input_ids"], LAYERS)
         torch.testing.assert_close(sample.target_features, features, rtol=1e-2, atol=1e-2)  # bf16 storage
         torch.testing.assert_close(sample.target_last_hidden, last, rtol=1e-2, atol=1e-2)
+        # the log-normaliser of the target's full distribution, from the stored bf16 hidden state
+        lse = torch.logsumexp(target.model.logits(last.to(torch.bfloat16).float()), -1)
+        torch.testing.assert_close(sample.target_logsumexp, lse, rtol=1e-5, atol=1e-5)
     assert FeatureCacheDataset(out, max_length=7)[1].input_ids.shape == (7,)
     # negative control: the tolerance is tight enough to notice another sample's features
     other, _ = compute_features(target, data[1]["input_ids"][:9], LAYERS)
@@ -159,7 +165,8 @@ def write_token_folder(path, data):
     np.save(path / "input_ids.npy", np.concatenate([d["input_ids"].numpy() for d in data]).astype(np.int32))
     np.save(path / "loss_mask.npy", np.concatenate([d["loss_mask"].numpy() for d in data]).astype(np.uint8))
     np.save(path / "offsets.npy", np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
-    (path / "manifest.json").write_text(json.dumps({"version": FORMAT_VERSION, "num_samples": len(data)}))
+    (path / "manifest.json").write_text(json.dumps({"version": FORMAT_VERSION, "num_samples": len(data),
+                                                    "num_tokens": int(sum(lengths))}))
     return path
 
 
@@ -184,3 +191,135 @@ def test_data_features_command_and_online_training_from_folders(tmp_path):
     cfg = TrainConfig(drafter="dflash", target=str(folder), data=[str(tok)], out=str(tmp_path / "run"), max_steps=1,
                       num_threads=1, model={"block_size": 4, "num_anchors": 4, "target_layer_ids": LAYERS})
     assert train(cfg) == tmp_path / "run" / "step_1"
+
+
+# --------------------------------------------------------------------------- bad caches
+
+
+def test_empty_and_corrupt_caches_are_one_line_errors_naming_the_file(tmp_path):
+    import shutil
+
+    target = tiny_target()
+    good = build_feature_cache(target, token_data([12, 9, 15]), LAYERS, tmp_path / "good", progress=False)
+
+    def copy(name):
+        return shutil.copytree(good, tmp_path / name)
+
+    bad = copy("json")
+    (bad / "manifest.json").write_text("{not json")
+    with pytest.raises(FeatureCacheError, match=r"json/manifest.json is not readable JSON"):
+        FeatureCacheDataset(bad)
+    bad = copy("empty")
+    m = json.loads((bad / "manifest.json").read_text())
+    (bad / "manifest.json").write_text(json.dumps({**m, "num_samples": 0}))
+    (bad / "samples.idx").write_bytes(b"")
+    with pytest.raises(FeatureCacheError, match="empty"):
+        FeatureCacheDataset(bad)
+    bad = copy("short")
+    shard = bad / "shard-00000.bin"
+    shard.write_bytes(shard.read_bytes()[:-50])  # truncated
+    with pytest.raises(FeatureCacheError, match="shard-00000.bin is shorter than samples.idx says"):
+        FeatureCacheDataset(bad)
+    bad = copy("index")
+    raw = bytearray((bad / "samples.idx").read_bytes())
+    raw[56 + 16 : 56 + 24] = (10**6).to_bytes(8, "little")  # the second sample's input_ids offset
+    (bad / "samples.idx").write_bytes(bytes(raw))
+    with pytest.raises(FeatureCacheError, match="samples.idx: record 1 has inconsistent offsets"):
+        FeatureCacheDataset(bad)
+    FeatureCacheDataset(good)[2]  # the original still reads
+
+
+def test_a_cache_from_another_target_or_layer_set_is_refused_by_name(tmp_path):
+    from dspark.training.samples import build_sample_source
+
+    target = tiny_target()
+    cache = build_feature_cache(target, token_data([12, 9]), LAYERS, tmp_path / "c", progress=False)
+    cfg = TrainConfig(drafter="dspark", out=str(tmp_path / "o"), feature_source="cache", cache_dir=str(cache))
+    build_sample_source(cfg, target, LAYERS, torch.float32)  # fits
+    with pytest.raises(FeatureCacheError, match=r"c/manifest.json holds target layers \[0, 2, 3\]"):
+        build_sample_source(cfg, target, [0, 1, 3], torch.float32)
+    with pytest.raises(FeatureCacheError, match="c/manifest.json was built from another target"):
+        build_sample_source(cfg, tiny_target(seed=3), LAYERS, torch.float32)
+    with pytest.raises(FeatureCacheError, match="vocab_size 96, the target 128"):
+        build_sample_source(cfg, tiny_target(vocab_size=128), LAYERS, torch.float32)
+
+
+def test_auto_feature_source_builds_the_cache_once_and_trains_with_a_draft_vocabulary(tmp_path):
+    """The default feature_source builds OUT/feature-cache on the first run; a draft vocabulary from the data
+    lands in the checkpoint."""
+    from dspark.drafters.dspark.model import DSparkModel
+
+    target, data = tiny_target(), token_data([20, 24, 18, 22])
+    folder = write_token_folder(tmp_path / "tok", data)
+    model = {"block_size": 4, "num_anchors": 8, "markov_rank": 16}
+    cfg = TrainConfig(drafter="dspark", out=str(tmp_path / "run"), data=[str(folder)], max_steps=2,
+                      num_threads=1, model=model, draft_vocab_size=40)
+    assert cfg.feature_source == "auto"
+    ckpt = train(cfg, target=target)
+    assert (tmp_path / "run" / "feature-cache" / "manifest.json").is_file()
+    saved = json.loads((tmp_path / "run" / "draft-vocab.json").read_text())
+    back = DSparkModel.from_checkpoint(ckpt, target)
+    assert back.draft_vocab.tolist() == saved["token_ids"] and back.draft_size == 40
+    assert set(target.eos_token_ids) <= set(saved["token_ids"])
+
+
+# --------------------------------------------------------------------------- sharded builds (torchrun)
+
+
+def _assert_same_samples(a: FeatureCacheDataset, b: FeatureCacheDataset) -> None:
+    assert len(a) == len(b)
+    for i in range(len(a)):
+        x, y = a[i], b[i]
+        for name in ("input_ids", "loss_mask", "target_features", "target_last_hidden", "target_logsumexp"):
+            torch.testing.assert_close(getattr(x, name), getattr(y, name), rtol=0, atol=0, msg=f"{name} of {i}")
+
+
+def test_a_sharded_build_in_two_parts_merges_into_the_one_process_cache(tmp_path):
+    """Ranks simulated one after another in a one-process gloo group (barriers pass at once)."""
+    import torch.distributed as dist
+
+    target, data = tiny_target(), token_data([12, 7, 15, 10, 8])
+    whole = build_feature_cache(target, data, LAYERS, tmp_path / "whole", max_shard_bytes=6000, progress=False)
+    out = tmp_path / "sharded"
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        kw = dict(max_shard_bytes=6000, progress=False, world_size=2)
+        with pytest.raises(FeatureCacheError, match="parts hold 3 samples, not the 5"):  # rank 1 has not run
+            build_feature_cache(target, data, LAYERS, out, rank=0, **kw)
+        assert not (out / "manifest.json").exists() and not (out / "merge.json").exists()
+        with pytest.raises(FeatureCacheError, match="same number"):  # each rank resumes its own part
+            build_feature_cache(target, data, LAYERS, out, max_shard_bytes=6000, progress=False)
+        build_feature_cache(target, data, LAYERS, out, rank=1, **kw)
+        build_feature_cache(target, data, LAYERS, out, rank=0, **kw)  # part 0 is done: merge only
+    finally:
+        dist.destroy_process_group()
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["num_shards"] > 2 and sorted(p.name for p in out.iterdir()) == sorted(
+        ["build_info.json", "manifest.json", "samples.idx"] + [f"shard-{s:05d}.bin" for s in range(m["num_shards"])])
+    _assert_same_samples(FeatureCacheDataset(out), FeatureCacheDataset(whole))
+    assert build_feature_cache(target, data, LAYERS, out, progress=False) == out  # finished: any process count
+
+
+def test_torchrun_two_cpu_processes_build_the_one_process_cache(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from tests.tiny import save_hf_folder, tiny_config
+
+    folder = save_hf_folder(tmp_path / "target", tiny_config())
+    data = token_data([14, 16, 9, 21, 11])
+    tok = write_token_folder(tmp_path / "tok", data)
+    whole = build_feature_cache(load_target(str(folder), tokenizer=False), data, LAYERS, tmp_path / "whole",
+                                progress=False)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         "-m", "dspark.cli", "data", "features", "--target", str(folder), "--data", str(tok),
+         "--out", str(tmp_path / "cache"), "--layer-ids", "0,2,3", "--shard-gb", str(5000 / 2**30)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("5 sequences (2 process(es))") == 1  # rank 0 reports
+    _assert_same_samples(FeatureCacheDataset(tmp_path / "cache"), FeatureCacheDataset(whole))
+    assert not list((tmp_path / "cache").glob("part-*"))

@@ -126,3 +126,41 @@ def test_needs_a_tokenizer(tmp_path):
     src = write_jsonl(tmp_path / "p.jsonl", RECORDS[:1])
     with pytest.raises(Exception, match="tokenizer"):
         regenerate(tiny_target(), src, tmp_path / "o.jsonl", progress=False)
+
+
+MULTI = RECORDS + [
+    {"id": f"m{i}", "conversations": [{"role": "user", "content": "q" * (3 + 5 * i)},
+                                      {"role": "assistant", "content": "old"},
+                                      {"role": "user", "content": f"follow-up {i}"}]}
+    for i in range(5)
+]
+
+
+@pytest.mark.parametrize("engine_batch", [1, 3])
+def test_the_engine_writes_the_records_of_static_batches(tmp_path, engine_batch):
+    """Continuous batching changes when a turn runs, never what it samples: each turn's seed is fixed by
+    (seed, line, turn). Sampled at temperature 1 with varied lengths, so batches really mix."""
+    src = write_jsonl(tmp_path / "p.jsonl", MULTI)
+    files = {}
+    for name, batch, static in (("static", 4, True), ("engine", engine_batch, False)):
+        out = tmp_path / f"{name}.jsonl"
+        stats = regenerate(chat_target(), src, out, batch_size=batch, max_new_tokens=12, temperature=1.0,
+                           top_p=1.0, top_k=0, seed=7, progress=False, static_batches=static)
+        assert (stats.succeeded, stats.failed) == (8, 2)
+        files[name] = (out.read_text(), error_path(out).read_text(), stats.new_tokens)
+    assert files["engine"] == files["static"]
+    lengths = {len(m["content"]) for r in read_jsonl(tmp_path / "engine.jsonl") for m in r["conversations"]
+               if m["role"] == "assistant"}
+    assert len(lengths) > 1  # answers of different lengths: requests left and joined the engine's batch
+
+
+def test_a_different_seed_changes_the_engine_records(tmp_path):
+    """Negative control for the equality above: the records do depend on what each turn samples."""
+    src = write_jsonl(tmp_path / "p.jsonl", MULTI)
+    texts = []
+    for seed in (7, 8):
+        out = tmp_path / f"{seed}.jsonl"
+        regenerate(chat_target(), src, out, batch_size=3, max_new_tokens=12, temperature=1.0, top_p=1.0, top_k=0,
+                   seed=seed, progress=False)
+        texts.append(out.read_text())
+    assert texts[0] != texts[1]

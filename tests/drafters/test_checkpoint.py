@@ -102,8 +102,9 @@ def test_eagle3_round_trip(tiny, tmp_path):
 # --------------------------------------------------------------------------- DeepSpec layout
 
 
-def _deepspec_qwen3_checkpoint(folder, target_cfg: dict, rank: int = 8, n_layers: int = 2) -> None:
-    """A Qwen3 DSpark checkpoint written by hand with exactly DeepSpec's key names and shapes (bf16)."""
+def _deepspec_qwen3_checkpoint(folder, target_cfg: dict, rank: int = 8, n_layers: int = 2, target=None) -> None:
+    """A Qwen3 DSpark checkpoint written by hand with exactly DeepSpec's key names and shapes (bf16);
+    embed_tokens / lm_head are ``target``'s (a DeepSpec checkpoint carries its target's)."""
     H, V, I = target_cfg["hidden_size"], target_cfg["vocab_size"], target_cfg["intermediate_size"]
     nh, nkv, hd = target_cfg["num_attention_heads"], target_cfg["num_key_value_heads"], target_cfg["head_dim"]
     layer_ids = [0, 1, 3]
@@ -114,6 +115,8 @@ def _deepspec_qwen3_checkpoint(folder, target_cfg: dict, rank: int = 8, n_layers
 
     state = {
         "embed_tokens.weight": rnd(V, H), "lm_head.weight": rnd(V, H),
+        **({} if target is None else {"embed_tokens.weight": target.model.model.embed_tokens.weight.to(torch.bfloat16),
+                                      "lm_head.weight": target.model.lm_head.weight.to(torch.bfloat16)}),
         "norm.weight": torch.ones(H, dtype=torch.bfloat16), "hidden_norm.weight": torch.ones(H, dtype=torch.bfloat16),
         "fc.weight": rnd(H, len(layer_ids) * H),
         "markov_head.markov_w1.weight": rnd(V, rank), "markov_head.markov_w2.weight": rnd(V, rank),
@@ -146,7 +149,7 @@ def _deepspec_qwen3_checkpoint(folder, target_cfg: dict, rank: int = 8, n_layers
 def test_deepspec_qwen3_layout_loads_and_drafts_losslessly(tmp_path):
     target_cfg = tiny_config(model_type="qwen3", architectures=["Qwen3ForCausalLM"])
     target = tiny_target(model_type="qwen3", architectures=["Qwen3ForCausalLM"])
-    _deepspec_qwen3_checkpoint(tmp_path, target_cfg)
+    _deepspec_qwen3_checkpoint(tmp_path, target_cfg, target=target)
     drafter = load_drafter(str(tmp_path), target)
     assert isinstance(drafter, DSparkDrafter)
     m = drafter.model

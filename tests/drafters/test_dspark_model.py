@@ -31,6 +31,7 @@ from .tiny_drafters import (
 VARIANTS = {
     "dspark": lambda t: tiny_dspark(t),
     "dspark-rnn": lambda t: tiny_dspark(t, markov_head_type="rnn"),
+    "dspark-gated": lambda t: tiny_dspark(t, markov_head_type="gated"),  # DeepSpec's gated Markov head
     "dspark-no-markov-conf": lambda t: tiny_dspark(t, confidence_head_with_markov=False),
     "dflash": lambda t: tiny_dflash(t),
 }

@@ -8,6 +8,8 @@ from dspark.drafters.draft_lm.drafter import DraftModelDrafter
 from dspark.drafters.prompt_lookup import PromptLookupDrafter, lookup_continuation
 from dspark.generation.generator import SpeculativeGenerator
 from dspark.sampling.processing import SamplingParams
+from tests.generation.laws import drafted_pair_law, pair_samples
+from tests.sampling.stats import goodness_of_fit
 from tests.tiny import tiny_target
 
 PROMPTS = [[5, 9, 13, 5, 9], [7, 7, 8, 20, 31, 44, 7, 7], [60]]
@@ -79,25 +81,77 @@ def test_stops_on_eos_and_max_tokens():
     assert len(out.output_ids) == 12 and out.finish_reason == "length"
 
 
-def test_sampled_first_tokens_follow_target():
-    """The loop (not just the sampler) is lossless: first two sampled tokens vs the target's own."""
-    target = tiny_target(seed=6, sharp=0.5, vocab_size=16, eos_token_id=999)  # no stop token
-    prompt = [3, 4, 3, 4, 3]
+LOOKUP_V = 8
+LOOKUP_PROMPT = [5, 2, 7, 0, 3, 6, 1, 4]  # every token occurs: the lookup drafts after any first token
+
+
+def _uniform_lookup_probs(drafter: PromptLookupDrafter) -> None:
+    """BUG on purpose: the lookup reports a uniform draft distribution instead of the one-hot it drafted from."""
+    inner = drafter.propose
+
+    def propose(requests, max_tokens):
+        block = inner(requests, max_tokens)
+        proposed = block.draft_probs.sum(-1) > 0  # (R, K) real drafts, not padding
+        block.draft_probs[proposed] = 1.0 / drafter.vocab_size
+        return block
+
+    drafter.propose = propose
+
+
+@pytest.mark.parametrize("lossy", [False, True], ids=["one-hot", "uniform-draft-probs"])
+def test_sampled_drafted_tokens_follow_target(lossy):
+    """The loop (not just the sampler) is lossless: with max_new_tokens=3 the first cycle drafts token 2
+    and the bonus or recovered token is token 3, so their joint law is checked against the target's
+    (chi-square + TV bound, tests/sampling/stats.py). Negative control: uniform draft_probs."""
+    V = LOOKUP_V
+    target = tiny_target(seed=6, sharp=0.5, vocab_size=V, eos_token_id=999)  # no stop token
+    drafter = PromptLookupDrafter(V, block_size=3)
+    if lossy:
+        _uniform_lookup_probs(drafter)
     n = 3000
-    sp = [SamplingParams(temperature=1.0, max_new_tokens=2, seed=i) for i in range(n)]
-    out = SpeculativeGenerator(target, PromptLookupDrafter(target.vocab_size, 3)).generate([prompt] * n, sp)
-    second = torch.tensor([r.output_ids[1] for r in out])
-    first = torch.tensor([r.output_ids[0] for r in out])
-    # exact second-token marginal: Σ_x p(x) p(. | x)
-    with torch.inference_mode():
-        p1 = torch.softmax(target.forward(torch.tensor(prompt), [5], None).logits[-1], -1)
-        ctx = torch.tensor([prompt + [x] for x in range(16)]).flatten()
-        p2 = torch.softmax(target.forward(ctx, [6] * 16, None, logits_for="last").logits, -1)
-    marg2 = (p1[:, None] * p2).sum(0)
-    tv1 = 0.5 * (torch.bincount(first, minlength=16) / n - p1).abs().sum()
-    tv2 = 0.5 * (torch.bincount(second, minlength=16) / n - marg2).abs().sum()
-    # sampling noise for V=16, n=3000: E[TV] ~ 0.03; 0.07 is > 4 standard deviations
-    assert tv1 < 0.07 and tv2 < 0.07, (tv1, tv2)
+    sp = [SamplingParams(temperature=1.0, max_new_tokens=3, seed=i) for i in range(n)]
+    out = SpeculativeGenerator(target, drafter).generate([LOOKUP_PROMPT] * n, sp)
+    # not vacuous: every request's first cycle verified one lookup draft
+    assert all(r.stats.counts[1][0] + r.stats.counts[1][1] >= 1 for r in out)
+    fit = goodness_of_fit(pair_samples([r.output_ids for r in out], V), drafted_pair_law(target, LOOKUP_PROMPT, sp[0]))
+    if lossy:
+        assert not fit.passes and fit.p_value < 1e-9, fit
+    else:
+        assert fit.passes, fit
+
+
+def _ignore_stops_inside_drafts(monkeypatch, target) -> None:
+    """BUG on purpose: the loop checks only the last committed token of a cycle for a stop token."""
+    import dspark.generation.step as step
+
+    real_ids, real_check = step.stop_ids_for, step._check_finished
+    monkeypatch.setattr(step, "stop_ids_for", lambda _target, req: set())
+    monkeypatch.setattr(step, "_check_finished",
+                        lambda req, new_tokens, _ids: real_check(req, new_tokens, real_ids(target, req)))
+
+
+@pytest.mark.parametrize("lossy", [False, True], ids=["stops", "ignores-stops-inside-drafts"])
+@pytest.mark.parametrize("how", ["eos", "stop_token_ids"])
+def test_a_stop_token_inside_accepted_drafts_ends_the_output(how, lossy, monkeypatch):
+    """Greedy, drafting with the target itself: the first cycle drafts 5 tokens, all accepted, and the
+    4th generated token (the 3rd draft) is a stop token. The output must end there, without a bonus."""
+    ref = plain(tiny_target(seed=1, eos_token_id=999), PROMPTS[:1], SamplingParams(temperature=0.0, max_new_tokens=12))[0]
+    stop = ref[3]
+    assert stop not in ref[:3]
+    target = tiny_target(seed=1, eos_token_id=stop if how == "eos" else 999)
+    sp = SamplingParams(temperature=0.0, max_new_tokens=12, stop_token_ids=[stop] if how == "stop_token_ids" else [])
+    drafter = DraftModelDrafter(target.model, target.vocab_size, 5)  # proposes the greedy continuation
+    if lossy:
+        _ignore_stops_inside_drafts(monkeypatch, target)
+    out = SpeculativeGenerator(target, drafter).generate(PROMPTS[:1], sp)[0]
+    first_cycle = out.stats.counts[5]
+    ended_at_stop = out.output_ids == ref[:4] and out.finish_reason == "stop"
+    if lossy:
+        assert not ended_at_stop and out.output_ids[:4] == ref[:4], out.output_ids
+    else:
+        assert ended_at_stop, out.output_ids
+        # one cycle: 5 drafts verified, 3 of them counted as accepted (up to the stop), tau = 3
+        assert sum(first_cycle) == 1 and first_cycle[3] == 1 and out.stats.sum_acceptance_length == 3, out.stats
 
 
 def test_the_loop_takes_a_verify_policy_bare_or_adapted():

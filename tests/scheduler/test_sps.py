@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from dspark.errors import BadFileError
 from dspark.scheduler.sps import UNLIMITED_BATCH_TOKENS, SPSTable, profile_sps
 
 TABLE = SPSTable((1, 8, 16), (50.0, 40.0, 25.0), 24)
@@ -35,8 +36,11 @@ def test_save_and_load(tmp_path) -> None:
     path = tmp_path / "dspark_sps.json"
     TABLE.save(path)
     assert SPSTable.load(path) == TABLE
-    with pytest.raises(ValueError, match="does not exist"):
+    with pytest.raises(BadFileError, match="does not exist"):  # a DSparkError: one line from the CLI
         SPSTable.load(tmp_path / "missing.json")
+    (tmp_path / "unsorted.json").write_text(json.dumps({**TABLE.to_dict(), "sample_batch_tokens": [1, 16, 8]}))
+    with pytest.raises(BadFileError, match="unsorted.json: sample_batch_tokens must be strictly increasing"):
+        SPSTable.load(tmp_path / "unsorted.json")
 
 
 # ----------------------------------------------------------------- lookup

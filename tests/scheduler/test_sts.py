@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from dspark.errors import BadFileError
 from dspark.scheduler.sts import STSResult, apply_sts, load_sts_json, save_sts_json
 
 
@@ -52,8 +53,9 @@ def test_sts_json_round_trip_in_sglang_format(tmp_path):
 def test_load_sts_json_rejects_bad_files(tmp_path, content, message):
     path = tmp_path / "sts.json"
     path.write_text(content)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(BadFileError, match=message) as info:  # a DSparkError: one line from the CLI
         load_sts_json(path, block_size=3)
+    assert str(path) in str(info.value)
 
 
 def test_load_sts_json_missing_file(tmp_path):

@@ -32,14 +32,15 @@ def demo_setup(tmp_path_factory):
 def test_demo_reuses_a_drafter_with_its_own_draft_vocabulary(demo_setup, capsys):
     target_dir, ckpt, root = demo_setup
     rc = main(["demo", "--target", str(target_dir), "--drafter", str(ckpt), "--work-dir", str(root / "work"),
-               "--prompts-per-set", "1", "--max-new-tokens", "6"])
+               "--prompts-per-set", "1", "--max-new-tokens", "6", "--dtype", "bfloat16"])
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "bfloat16; DSpark head over the top 64 tokens, draft vocabulary of 4096 tokens" in out
     vocab = json.loads((root / "work" / "draft-vocab.json").read_text())
     assert vocab["source"] == str(root / "tok") and vocab["size"] == 4096
     table = [line for line in out.splitlines() if line.startswith("| ") and "decoding" not in line]
-    assert len(table) == 3 and all(line.rstrip().endswith("| yes |") for line in table), out
+    assert len(table) == 4 and all(line.rstrip().endswith("| yes |") for line in table), out
+    assert "| hybrid (lookup on 3-gram repeats, else DSpark) |" in out
 
 
 def test_demo_can_be_told_to_use_the_exact_settings(demo_setup, capsys):
@@ -48,3 +49,20 @@ def test_demo_can_be_told_to_use_the_exact_settings(demo_setup, capsys):
                  "--prompts-per-set", "1", "--max-new-tokens", "4", "--dtype", "float32", "--head-top-m", "0",
                  "--draft-vocab-size", "0"]) == 0
     assert "float32; DSpark head over all tokens, draft vocabulary of all tokens" in capsys.readouterr().out
+
+
+def test_demo_takes_the_shipped_reference_drafter_by_default(demo_setup, capsys, monkeypatch, tmp_path):
+    """Without --drafter the demo decodes with checkpoints/smollm2-135m-dspark of the repository it runs in,
+    in float32, and every row equals plain decoding exactly."""
+    import shutil
+
+    target_dir, ckpt, root = demo_setup
+    shutil.copytree(ckpt, tmp_path / "checkpoints" / "smollm2-135m-dspark")
+    monkeypatch.chdir(tmp_path)
+    assert main(["demo", "--target", str(target_dir), "--work-dir", str(root / "w3"), "--prompts-per-set", "1",
+                 "--max-new-tokens", "5"]) == 0
+    out = capsys.readouterr().out
+    assert f"DSpark drafter: {tmp_path / 'checkpoints' / 'smollm2-135m-dspark'}" in out
+    assert "float32; DSpark head over the top 64 tokens" in out
+    table = [line for line in out.splitlines() if line.startswith("| ") and "decoding" not in line]
+    assert len(table) == 4 and all(line.rstrip().endswith("| yes |") for line in table), out

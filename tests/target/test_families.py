@@ -203,7 +203,7 @@ def test_wrong_model_is_detected(pair):
     assert _maxdiff(wrong, _hf_forward(hf, ids)[0]) > 100 * TOL
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
 def test_matches_hf_on_cuda(pair):
     """Same comparison with everything on the GPU: positions, masks and caches follow the model's device."""
     name, hf, ours = pair

@@ -1,4 +1,5 @@
-"""`torchrun --nproc_per_node 2` on CPU (gloo): DDP training from a target folder and a feature cache."""
+"""`torchrun --nproc_per_node 2` on CPU (gloo): DDP training from a target folder and a feature cache, equal to
+one process at the same global batch (sharded feature builds: tests/data/test_features.py; FSDP: test_fsdp.py)."""
 
 from __future__ import annotations
 
@@ -52,3 +53,14 @@ def test_torchrun_two_cpu_processes_train_and_checkpoint(tmp_path):
     for a, b in zip(s0["master_weights"], s1["master_weights"], strict=True):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
     assert "last checkpoint:" in proc.stdout
+    # the same global batch in one process (grad_accum 2) trains the same weights
+    from safetensors.torch import load_file
+
+    from dspark.training.config import load_config
+    from dspark.training.trainer import train
+
+    one = train(load_config(None, **{**{k: v for k, v in cfg.items() if not k.startswith("_")},
+                                     "out": str(tmp_path / "one"), "global_batch_size": 2}))
+    wa, wb = load_file(step / "model.safetensors"), load_file(one / "model.safetensors")
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-5, msg=k)

@@ -236,7 +236,13 @@ def test_time_budget_schedule_warms_up_and_decays_within_the_budget():
     assert progress_multiplier(1.7, 0.04) == pytest.approx(0.0, abs=1e-12)
 
 
-def test_time_budget_run_uses_the_time_schedule(tmp_path):
+def test_time_budget_run_uses_the_time_schedule(tmp_path, monkeypatch):
+    import types
+
+    from dspark.training import trainer as trainer_module
+
+    clock = iter(range(10**9))  # a virtual clock, 10 ms per reading: the run is the same however busy the CPU is
+    monkeypatch.setattr(trainer_module, "time", types.SimpleNamespace(perf_counter=lambda: next(clock) * 0.01))
     out = tmp_path / "timed"
     cfg = tiny_cfg(out, max_steps=10_000, time_budget_s=3.0, log_every=1, lr=1e-3, warmup_ratio=0.04)
     train(cfg, target=tiny_target(), dataset=random_data(8))
@@ -260,3 +266,28 @@ def test_train_cli_drafter_choices_come_from_the_registry(capsys):
     assert "{" + ",".join(KIND_NAMES) + "}" in capsys.readouterr().err
     with pytest.raises(TrainConfigError, match="drafter must be one of dspark, dflash, eagle3, draft-lm"):
         TrainConfig(drafter="medusa")
+
+
+def test_threads_flag_wins_over_the_configs_num_threads(tmp_path, monkeypatch):
+    """`dspark --threads 1 train` trains with 1 thread even when the config says 2."""
+    import dspark.training.trainer as trainer_module
+    from dspark.cli import main
+
+    seen = []
+    real_train, real_step = trainer_module.train, trainer_module.Trainer.train_step
+    monkeypatch.setattr(trainer_module, "train", lambda cfg, **kw: real_train(
+        cfg, target=tiny_target(), dataset=random_data(2), **kw))  # the CLI path, with the tiny target and data
+    monkeypatch.setattr(trainer_module.Trainer, "train_step",
+                        lambda self, *a: (seen.append(torch.get_num_threads()), real_step(self, *a))[1])
+    monkeypatch.delenv("DSPARK_THREADS", raising=False)
+    config = tmp_path / "cfg.json"
+    config.write_text(json.dumps({"drafter": "dspark", "max_steps": 1, "grad_accum": 2, "num_threads": 2,
+                                  "model": TINY_DSPARK}))
+    before = torch.get_num_threads()
+    try:
+        assert main(["--threads", "1", "train", "--config", str(config), "--out", str(tmp_path / "a")]) == 0
+        assert main(["train", "--config", str(config), "--out", str(tmp_path / "b")]) == 0  # negative control
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [1, 2]
+    assert json.loads((tmp_path / "a" / "step_1" / "train_config.json").read_text())["num_threads"] == 1

@@ -1,4 +1,5 @@
-"""The commands of the `dspark bench` group: `bench serve` (serving load test) and `bench speed` (decoding speed).
+"""The commands of the `dspark bench` group: `bench serve` (serving load test), `bench speed` (decoding speed)
+and `bench chaos` (faults and load).
 
 ``dspark.cli`` creates the group and calls ``add_serve`` and ``add_speed`` with its subparsers.
 """
@@ -12,8 +13,10 @@ import shlex
 import sys
 from pathlib import Path
 
+from dspark.bench import train as train_bench
 from dspark.data.eval_sets import DEFAULT_SEED
-from dspark.drafters.options import DTYPE_NAMES
+from dspark.drafters.options import add_device_option, add_dtype_option, resolve_device, resolve_target_args
+from dspark.evaluation.cli import parse_jsonl
 from dspark.errors import DSparkError
 from dspark.serving.cli import add_model_args, set_threads
 from dspark.target.presets import DEFAULT_TARGET
@@ -100,8 +103,9 @@ def _bench_serve(args: argparse.Namespace) -> int:
     from dspark.bench.serve_load import SweepConfig, run_sweep, write_report
 
     set_threads(args.threads)
+    device, dtype = resolve_target_args(args) if not args.url else ("cpu", "float32")  # --url: nothing loaded here
     cfg = SweepConfig(
-        target=args.target, drafter=args.drafter, policies=args.policies, concurrency=args.concurrency,
+        target=args.target, device=device, dtype=dtype, compile=args.compile, drafter=args.drafter, policies=args.policies, concurrency=args.concurrency,
         num_requests=args.num_requests, max_tokens=args.max_tokens, temperature=args.temperature,
         prompts=args.prompts, block_size=args.block_size, head_top_m=args.head_top_m,
         draft_vocab=args.draft_vocab, sps_table=args.sps_table, sts=args.sts,
@@ -114,7 +118,59 @@ def _bench_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------- dspark bench chaos
+
+def add_chaos(bench: argparse._SubParsersAction) -> None:
+    b = bench.add_parser(
+        "chaos", help="faults and load against an in-process server: malformed requests, concurrent clients, "
+        "head-of-line blocking, slow connections",
+        description="Starts the server on 127.0.0.1 and sends 150+ malformed requests (counting tracebacks in "
+        "the server log and errors not in OpenAI's shape), --clients concurrent clients (counting lost requests), "
+        "a short stream with and without a long prompt arriving (head-of-line ratio, chunked vs whole-prompt "
+        "prefill) and --slow-connections slowloris connections (held time vs the header timeout). Writes --doc. "
+        "Example: dspark --threads 1 bench chaos --target tiny",
+    )
+    b.add_argument("--target", default="tiny",
+                   help="tiny (random 2-layer model, SmolLM2 tokenizer) or a preset / HF folder (default: %(default)s)")
+    add_device_option(b)
+    b.add_argument("--drafter", default="prompt-lookup", help="none | prompt-lookup | a checkpoint (default: %(default)s)")
+    b.add_argument("--clients", type=int, default=64, help="(default: %(default)s)")
+    b.add_argument("--slow-connections", type=int, default=64, help="(default: %(default)s)")
+    b.add_argument("--header-timeout", type=float, default=2.0, help="seconds (default: %(default)s)")
+    b.add_argument("--prefill-chunk", type=int, default=256, help="(default: %(default)s)")
+    b.add_argument("--long-prompt-tokens", type=int, default=3000, help="(default: %(default)s)")
+    b.add_argument("--hol-trials", type=int, default=3, help="(default: %(default)s)")
+    b.add_argument("--threads", type=int, default=argparse.SUPPRESS,
+                   help="torch CPU threads (default: the global --threads, else torch's choice)")
+    b.add_argument("--doc", default="docs/reliability.md", help="(default: %(default)s)")
+    b.set_defaults(func=_bench_chaos)
+
+
+def _bench_chaos(args: argparse.Namespace) -> int:
+    from dspark.bench.chaos import ChaosConfig, run_chaos, write_page
+
+    if min(args.clients, args.slow_connections, args.prefill_chunk, args.long_prompt_tokens, args.hol_trials) < 1:
+        raise DSparkError("--clients, --slow-connections, --prefill-chunk, --long-prompt-tokens and --hol-trials "
+                          "must be >= 1")
+    set_threads(getattr(args, "threads", None))
+    cfg = ChaosConfig(target=args.target, device=resolve_device(args.device), drafter=args.drafter,
+                      clients=args.clients,
+                      slow_connections=args.slow_connections, header_timeout_s=args.header_timeout,
+                      prefill_chunk=args.prefill_chunk, long_prompt_tokens=args.long_prompt_tokens,
+                      hol_trials=args.hol_trials)
+    result = run_chaos(cfg, lambda msg: print(msg, file=sys.stderr, flush=True))
+    path = write_page(result, _command_line("chaos"), args.doc)
+    print(path.read_text())
+    print(f"wrote {path}")
+    return 0
+
+
 # ---------------------------------------------------------------- dspark bench speed
+
+def add_train(bench: argparse._SubParsersAction) -> None:
+    """`dspark bench train`: drafter-training throughput, old path against new (``dspark.bench.train``)."""
+    train_bench.add_cli(bench)
+
 
 def add_speed(bench: argparse._SubParsersAction) -> None:
     p = bench.add_parser(
@@ -133,6 +189,9 @@ def add_speed(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--target", default=DEFAULT_TARGET, help="preset or HF folder (default: %(default)s)")
     p.add_argument("--sets", default="all",
                    help="comma-separated evaluation sets, domains (math, code, chat) or all (default: %(default)s)")
+    p.add_argument("--jsonl", action="append", default=[], metavar="[NAME=]FILE", type=parse_jsonl,
+                   help="also a JSONL of {\"turns\": [...]} records as a prompt set (first turn used; repeatable; "
+                   "--sets '' for these only)")
     p.add_argument("--per-set", type=int, default=2, help="prompts per set (default: %(default)s)")
     p.add_argument("--eval-dir", default=None, help="folder of the evaluation JSONL files (default: $DSPARK_EVAL_DIR, else the sets shipped with dspark)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="(default: %(default)s)")
@@ -160,8 +219,14 @@ def add_speed(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--draft-vocab", default=None, metavar="FILE",
                    help="also time every DSpark/DFlash --drafter drafting only this `dspark data vocab` file's "
                    "tokens (with the last --head-top-m, if given)")
-    p.add_argument("--dtype", choices=DTYPE_NAMES, default="float32",
-                   help="dtype of the target, the drafters and the HF models (default: %(default)s)")
+    p.add_argument("--hybrid", action="store_true",
+                   help="also time every --drafter's cheapest variant with hybrid drafting (prompt lookup where the "
+                   "context repeats an n-gram, the drafter elsewhere; rows '<row>+hybrid')")
+    p.add_argument("--hybrid-min-ngram", type=int, default=3, metavar="N",
+                   help="shortest repeated n-gram that switches a hybrid step to prompt lookup (default: %(default)s)")
+    add_device_option(p, help="where the target, the drafters and the HF models run (default: auto = cuda when "
+                      "a GPU is available, else cpu)")
+    add_dtype_option(p, "the target, the drafters and the HF models")
     p.add_argument("--compile", action="store_true",
                    help="also time ours-plain and every --drafter at each block size (its cheapest variant) with a "
                    "torch.compile'd target (rows named '+compile', measured in the same run)")
@@ -186,6 +251,7 @@ def _bench_speed(args: argparse.Namespace) -> int:
         result = json.loads(Path(args.from_json).read_text())
     else:
         set_threads(getattr(args, "threads", None))
+        device, dtype = resolve_target_args(args)
         for name in ("per_set", "max_new_tokens", "prompt_lookup_tokens", "warmup_tokens", "max_prompt_tokens"):
             if getattr(args, name) < 1:
                 raise DSparkError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -195,8 +261,10 @@ def _bench_speed(args: argparse.Namespace) -> int:
             max_prompt_tokens=args.max_prompt_tokens, draft_lm=args.draft_lm,
             draft_lm_block_size=args.draft_lm_block_size, drafters=args.drafters, block_sizes=args.block_sizes,
             prompt_lookup_tokens=args.prompt_lookup_tokens, include_hf=args.include_hf,
-            warmup_tokens=args.warmup_tokens, dtype=args.dtype, compile=args.compile, head_top_m=args.head_top_m,
-            draft_vocab=args.draft_vocab,
+            warmup_tokens=args.warmup_tokens, dtype=dtype, device=device, compile=args.compile,
+            head_top_m=args.head_top_m,
+            draft_vocab=args.draft_vocab, hybrid=args.hybrid, hybrid_min_ngram=args.hybrid_min_ngram,
+            jsonl=[list(item) for item in args.jsonl],
         )
         result = run_speed_bench(cfg, _command_line("speed"), lambda msg: print(msg, file=sys.stderr, flush=True))
     paths = write_outputs(result, args.out_dir, args.doc or None)

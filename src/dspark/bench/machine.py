@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 
-def machine_info() -> dict[str, Any]:
+def machine_info(device: str = "cpu") -> dict[str, Any]:
     import torch
     import transformers
 
@@ -20,7 +20,7 @@ def machine_info() -> dict[str, Any]:
         "platform": platform.platform(), "machine": platform.machine(), "python": sys.version.split()[0],
         "torch": torch.__version__, "transformers": transformers.__version__, "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(), "cpu_model": _cpu_model(), "memory_gib": _mem_total_gib(),
-        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None, "device": "cpu",
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None, "device": device,
     }
     try:
         info["load_average"] = [round(x, 2) for x in os.getloadavg()]

@@ -13,7 +13,8 @@ are done or ``time_limit_s`` has passed. Per (policy, concurrency) it reports
   counters scraped before and after the run,
 
 and writes JSON, a Markdown table and the two figures. ``run_point`` also
-works against any running dspark server (``--url``).
+works against any running dspark server (``--url``), or a vLLM one (its
+``vllm:spec_decode_*`` counters; there a step with drafts counts one bonus token).
 """
 
 from __future__ import annotations
@@ -153,6 +154,11 @@ def run_point(base_url: str, prompts: list[str], concurrency: int, num_requests:
     ok = [r for r in records if r.ok]
     request_steps = delta("dspark_request_steps_total")
     steps = delta("dspark_engine_steps_total")
+    verified, committed = delta("dspark_verified_tokens_total"), delta("dspark_committed_tokens_total")
+    if not any(name == "dspark_request_steps_total" for name, _ in after):  # a vLLM server: its spec-decode counters
+        request_steps = delta("vllm:spec_decode_num_drafts_total")
+        verified = delta("vllm:spec_decode_num_draft_tokens_total")
+        committed = request_steps + delta("vllm:spec_decode_num_accepted_tokens_total")  # + 1 bonus per draft
     tokens = sum(r.completion_tokens for r in ok)
     ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
     return {
@@ -167,8 +173,8 @@ def run_point(base_url: str, prompts: list[str], concurrency: int, num_requests:
         "user_tokens_per_s": statistics.fmean(r.completion_tokens / r.latency_s for r in ok) if ok else 0.0,
         "mean_latency_s": statistics.fmean(r.latency_s for r in ok) if ok else None,
         "mean_ttft_s": statistics.fmean(ttfts) if ttfts else None,
-        "avg_verify_len": delta("dspark_verified_tokens_total") / request_steps if request_steps else None,
-        "acceptance_length": delta("dspark_committed_tokens_total") / request_steps if request_steps else None,
+        "avg_verify_len": verified / request_steps if request_steps else None,
+        "acceptance_length": committed / request_steps if request_steps else None,
         "avg_batch_size": request_steps / steps if steps else None,
     }
 
@@ -177,6 +183,9 @@ def run_point(base_url: str, prompts: list[str], concurrency: int, num_requests:
 @dataclass
 class SweepConfig:
     target: str = "smollm2-135m"
+    device: str = "cpu"  # cpu | cuda: target and drafter
+    dtype: str = "float32"
+    compile: bool = False
     drafter: str = "prompt-lookup"
     policies: list[str] = field(default_factory=lambda: ["fixed:1", "alg1", "async", "all"])
     concurrency: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
@@ -219,7 +228,7 @@ def run_sweep(cfg: SweepConfig, log=print) -> tuple[list[dict], dict]:
 
     import torch
 
-    from dspark.drafters.options import DraftingOptions
+    from dspark.drafters.options import DraftingOptions, torch_dtype
     from dspark.drafters.registry import load_drafter
     from dspark.scheduler.sts import load_sts_json
     from dspark.scheduler.profile import load_or_profile
@@ -229,7 +238,11 @@ def run_sweep(cfg: SweepConfig, log=print) -> tuple[list[dict], dict]:
     from dspark.target.model import load_target
 
     specs = [parse_policy(p) for p in cfg.policies]  # fail early on a typo
-    target = load_target(cfg.target, fuse=True)
+    target = load_target(cfg.target, dtype=torch_dtype(cfg.dtype), fuse=True, device=cfg.device)
+    if cfg.compile:
+        from dspark.modeling.compile import compile_decoder
+
+        compile_decoder(target.model)
     drafter = load_drafter(cfg.drafter, target, DraftingOptions(block_size=cfg.block_size, head_top_m=cfg.head_top_m, draft_vocab=cfg.draft_vocab))
     sps = None
     if any(s.needs_sps_table for s in specs):

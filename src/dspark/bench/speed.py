@@ -188,7 +188,7 @@ def run_speed_bench(cfg: SpeedConfig, command: str = "", log=print) -> dict[str,
 
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     t0 = time.perf_counter()
-    target = load_target(cfg.target, dtype=torch_dtype(cfg.dtype), fuse=True)
+    target = load_target(cfg.target, dtype=torch_dtype(cfg.dtype), fuse=True, device=cfg.device)
     if target.tokenizer is None:
         raise DSparkError(f"{cfg.target} has no tokenizer; the speed benchmark encodes text prompts")
     prompts = select_prompts(target, cfg)
@@ -196,12 +196,13 @@ def run_speed_bench(cfg: SpeedConfig, command: str = "", log=print) -> dict[str,
     if cfg.compile:
         from dspark.modeling.compile import compile_decoder
 
-        compiled = load_target(cfg.target, dtype=torch_dtype(cfg.dtype), tokenizer=False, fuse=True)
+        compiled = load_target(cfg.target, dtype=torch_dtype(cfg.dtype), tokenizer=False, fuse=True,
+                               device=cfg.device)
         compile_decoder(compiled.model)
         log("[speed] compiled twin of the target: its first (warm-up) calls compile")
     methods = build_methods(target, cfg, log, compiled)
     log(f"[speed] {len(prompts)} prompts x {len(methods)} methods x {len(cfg.temperatures)} temperatures")
-    machine = machine_info()  # before measuring: the load average says how busy the machine was
+    machine = machine_info(cfg.device)  # before measuring: the load average says how busy the machine was
     probe = MemoryProbe()
     records = measure(methods, prompts, cfg, probe, log)
     return {

@@ -36,9 +36,13 @@ class SpeedConfig:
     include_hf: bool = True
     warmup_tokens: int = 16
     dtype: str = "float32"  # target, drafters and the HF models
+    device: str = "cpu"  # cpu | cuda: target, drafters and the HF models
     compile: bool = False  # "+compile" twins of ours-plain and each --drafter row (its last variant), compiled target
     head_top_m: list[int] | None = None  # DSpark rows at each M too (--head-top-m); None: the full head only
     draft_vocab: str | None = None  # DSpark/DFlash rows with this draft vocabulary too (and the last M, if any)
+    hybrid: bool = False  # a "+hybrid" row per --drafter: its cheapest variant with prompt lookup on repeats
+    hybrid_min_ngram: int = 3
+    jsonl: list[list[str]] = field(default_factory=list)  # [NAME, FILE] prompt sets beside --sets
 
 
 # ---------------------------------------------------------------- prompts
@@ -53,12 +57,14 @@ class BenchPrompt:
 
 def select_prompts(target, cfg: SpeedConfig) -> list[BenchPrompt]:
     """The first ``per_set`` prompts of each set (DeepSpec's shuffled selection) that fit the limits."""
-    from dspark.data.eval_sets import load_eval_dataset
+    from dspark.data.eval_sets import load_eval_dataset, load_jsonl_dataset
 
     prompts: list[BenchPrompt] = []
-    for name in cfg.sets:
+    sets = [(name, lambda n=name: load_eval_dataset(n, cfg.eval_dir, None, cfg.seed)) for name in cfg.sets]
+    sets += [(name, lambda n=name, f=path: load_jsonl_dataset(f, n, seed=cfg.seed)) for name, path in cfg.jsonl]
+    for name, load in sets:
         taken = 0
-        for sample in load_eval_dataset(name, cfg.eval_dir, None, cfg.seed).samples:
+        for sample in load().samples:
             ids = target.encode_chat(sample.prompt) if isinstance(sample.prompt, str) else list(sample.prompt)
             if len(ids) > cfg.max_prompt_tokens or len(ids) + cfg.max_new_tokens > target.max_context:
                 continue
@@ -136,7 +142,7 @@ def hf_method(name: str, model, target, block_size: int | None = None, note: str
     pad = eos[0] if eos else None
 
     def run(ids: list[int], temperature: float, seed: int, max_new: int) -> tuple[list[int], dict]:
-        input_ids = torch.tensor([ids], dtype=torch.long)
+        input_ids = torch.tensor([ids], dtype=torch.long, device=model.device)
         kwargs = dict(max_new_tokens=max_new, eos_token_id=eos, pad_token_id=pad,
                       attention_mask=torch.ones_like(input_ids), **generate_kwargs)
         if temperature > 0:  # pure sampling at T, like ours (no top-k / top-p)
@@ -172,13 +178,13 @@ def build_methods(target, cfg: SpeedConfig, log=print, compiled_target=None) -> 
         if target.path is None:
             raise DSparkError("the HF rows need the target as a model folder; pass --no-hf for a target without one")
         log(f"[speed] loading the HF model from {target.path}")
-        hf = AutoModelForCausalLM.from_pretrained(str(target.path), dtype=dtype).eval()
+        hf = AutoModelForCausalLM.from_pretrained(str(target.path), dtype=dtype).to(cfg.device).eval()
         methods.append(hf_method(HF_PLAIN, hf, target))
         k = cfg.prompt_lookup_tokens
         methods.append(hf_method("hf-prompt-lookup", hf, target, k, f"prompt_lookup_num_tokens={k}",
                                  prompt_lookup_num_tokens=k))
         if cfg.draft_lm:
-            assistant = AutoModelForCausalLM.from_pretrained(cfg.draft_lm, dtype=dtype).eval()
+            assistant = AutoModelForCausalLM.from_pretrained(cfg.draft_lm, dtype=dtype).to(cfg.device).eval()
             assistant.generation_config.num_assistant_tokens = draft_lm_k
             assistant.generation_config.num_assistant_tokens_schedule = "constant"
             threshold = assistant.generation_config.assistant_confidence_threshold
@@ -210,6 +216,12 @@ def build_methods(target, cfg: SpeedConfig, log=print, compiled_target=None) -> 
             for suffix, m, vocab, note in _variants(own, cfg):
                 last = (f"ours-{name}{suffix}", load_drafter(path, target, DraftingOptions(block_size=k, head_top_m=m, draft_vocab=vocab)))
                 methods.append(ours_method(last[0], target, last[1], note))
+            if cfg.hybrid:
+                from dspark.drafters.hybrid import HybridDrafter
+
+                methods.append(ours_method(f"{last[0]}+hybrid", target, HybridDrafter(
+                    last[1], target.vocab_size, min_ngram=cfg.hybrid_min_ngram, max_ngram=max(cfg.hybrid_min_ngram, 4)),
+                    f"prompt lookup where the context repeats a {cfg.hybrid_min_ngram}-gram, else {last[0]} (--hybrid)"))
             twins.append(last)  # the compiled twin of each drafter row: its cheapest-drafting variant
     if compiled_target is not None:  # drafters read no target weights while drafting: shared with the twin
         methods += [ours_method(f"{name}+compile", compiled_target, drafter) for name, drafter in twins]

@@ -105,7 +105,8 @@ def render_markdown(result: dict[str, Any], title: str = "Decoding speed", raw_j
         f"Target `{cfg['target']}`; {result['num_prompts']} prompt(s) ({cfg['per_set']} from each of {sets}; first "
         f"turn through the chat template), batch size 1, up to {cfg['max_new_tokens']} new tokens, "
         f"{cfg.get('dtype', 'float32')}" + (" (HF rows too)" if cfg.get("dtype", "float32") != "float32" else "")
-        + ("; '+compile' rows use a torch.compile'd target" if cfg.get("compile") else "") + ".",
+        + ("; '+compile' rows use a torch.compile'd target" if cfg.get("compile") else "")
+        + (f"; on {mach.get('gpu') or 'a GPU'}" if cfg.get("device", "cpu") != "cpu" else "") + ".",
         f"Machine: {mach.get('cpu_model') or mach.get('machine')}, {mach.get('cpu_count')} CPUs, "
         f"{mach.get('memory_gib')} GiB; {mach.get('torch_threads')} torch threads; {mach.get('platform')}; "
         f"Python {mach.get('python')}, torch {mach.get('torch')}, transformers {mach.get('transformers')}"

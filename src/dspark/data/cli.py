@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from dspark.drafters.options import add_device_option, add_dtype_option, add_target_options
 from dspark.errors import DSparkError
 from dspark.target.presets import DEFAULT_TARGET
 
@@ -51,12 +52,24 @@ def run_prompts(args: argparse.Namespace) -> None:
 
 
 def run_regenerate(args: argparse.Namespace) -> int:
-    from dspark.data.regenerate import error_path, regenerate
-    from dspark.target.model import load_target
+    import os
 
-    target = load_target(args.target)
-    stats = regenerate(target, args.prompts, args.out, args.batch_size, args.max_new_tokens, args.temperature,
-                       args.top_p, args.top_k, args.seed, args.limit)
+    from dspark.data.regenerate import error_path, regenerate
+
+    sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                    top_k=args.top_k, seed=args.seed, limit=args.limit)
+    if args.base_url:
+        from dspark.data.regenerate_http import RetryPolicy, regenerate_over_http
+
+        retry = RetryPolicy(retries=args.retries, backoff_s=args.retry_backoff, timeout_s=args.request_timeout)
+        stats = regenerate_over_http(args.base_url, args.prompts, args.out, args.api_key or os.environ.get(
+            "OPENAI_API_KEY"), args.model, args.concurrency, retry=retry, **sampling)
+    else:
+        from dspark.drafters.options import load_target_from_args
+
+        target = load_target_from_args(args)  # --device, --dtype, --compile; fused q/k/v and gate/up
+        stats = regenerate(target, args.prompts, args.out, args.batch_size, static_batches=args.static_batches,
+                           **sampling)
     print(f"{args.out}: {stats.succeeded} regenerated, {stats.skipped} already done, {stats.failed} failed "
           f"({error_path(args.out)}), {stats.new_tokens} new tokens")
     return 0
@@ -92,12 +105,16 @@ def read_config_fields(name_or_path: str, overrides: list[str] = ()) -> dict:
 
 
 def run_features(args: argparse.Namespace) -> int:
-    from dspark.data.features import build_feature_cache, bytes_per_token
+    from dspark.data.features import build_feature_cache, bytes_per_token, join_ranks, leave_ranks
     from dspark.data.tokenized import load_tokenized
+    from dspark.drafters.options import resolve_target_args, torch_dtype
     from dspark.target.model import load_target
 
     cfg = read_config_fields(args.config, args.overrides) if args.config else None
-    target = load_target(args.target or (cfg["target"] if cfg else DEFAULT_TARGET), tokenizer=False)
+    rank, world_size = join_ranks()  # under torchrun: each rank labels every world_size-th sequence
+    device, dtype = resolve_target_args(args)
+    target = load_target(args.target or (cfg["target"] if cfg else DEFAULT_TARGET), dtype=torch_dtype(dtype),
+                         tokenizer=False, device=device)
     data = args.data or (cfg["data"] if cfg else None)
     if not data:
         raise DSparkError("dspark data features: give --data or a --config with 'data'")
@@ -113,10 +130,15 @@ def run_features(args: argparse.Namespace) -> int:
         if args.limit < 1:
             raise DSparkError("--limit must be >= 1")
         dataset = [dataset[i] for i in range(min(args.limit, len(dataset)))]
-    out = build_feature_cache(target, dataset, layer_ids, args.out, max_length=max_length,
-                              max_shard_bytes=int(args.shard_gb * 2**30), source_paths=list(data))
-    print(f"{out}: {len(dataset)} sequences, target layers {layer_ids}, "
-          f"{bytes_per_token(target.hidden_size, len(layer_ids))} bytes/token")
+    try:
+        out = build_feature_cache(target, dataset, layer_ids, args.out, max_length=max_length,
+                                  max_shard_bytes=int(args.shard_gb * 2**30), source_paths=list(data),
+                                  rank=rank, world_size=world_size)
+    finally:
+        leave_ranks()
+    if rank == 0:
+        print(f"{out}: {len(dataset)} sequences ({world_size} process(es)), target layers {layer_ids}, "
+              f"{bytes_per_token(target.hidden_size, len(layer_ids))} bytes/token")
     return 0
 
 
@@ -182,18 +204,38 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
         description="Each user turn is re-answered by the target in order, seeing the regenerated history; "
         "system messages are kept, original assistant turns dropped. Output records keep the input fields "
         "plus the new 'conversations' and \"status\": \"success\"; failures go to OUT_error.jsonl. Rerunning "
-        "the same command resumes (ids already in OUT are skipped). Sampling defaults follow DeepSpec.",
+        "the same command resumes (ids already in OUT are skipped). Sampling defaults follow DeepSpec. In process, the "
+        "continuous-batching engine decodes the turns; with --base-url a server does.",
     )
     p.add_argument("--target", default=DEFAULT_TARGET, help="preset or HF folder (default: %(default)s)")
+    add_target_options(p)
     p.add_argument("--prompts", required=True, help="JSONL of {'id', 'conversations'} or {'turns'} records")
     p.add_argument("--out", required=True, help="output JSONL (appended to; resumable)")
-    p.add_argument("--batch-size", type=int, default=8, help="conversations decoded together (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=32,
+                   help="requests the engine decodes together; a turn joins as another ends (default: %(default)s)")
+    p.add_argument("--static-batches", action="store_true",
+                   help="the old path, kept for comparison (docs/data-throughput.md): decode fixed batches of "
+                   "--batch-size conversations, each batch waiting for its longest answer; same records")
     p.add_argument("--max-new-tokens", type=int, default=1024, help="per assistant turn (default: %(default)s)")
     p.add_argument("--temperature", type=float, default=0.7, help="(default: %(default)s)")
     p.add_argument("--top-p", type=float, default=0.8, help="(default: %(default)s)")
     p.add_argument("--top-k", type=int, default=20, help="(default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="base seed; each turn's seed is fixed by (seed, line, turn)")
     p.add_argument("--limit", type=int, default=None, help="only the first N records")
+    server = p.add_argument_group(
+        "through a server", "answer the turns with any OpenAI-compatible server (vLLM, SGLang, `dspark serve`) "
+        "instead of loading --target here; connection errors, 429 and 5xx are retried with exponential backoff")
+    server.add_argument("--base-url", default=None, metavar="URL",
+                        help="the server's OpenAI base URL, e.g. http://127.0.0.1:8000/v1")
+    server.add_argument("--api-key", default=None, help="bearer key (default: $OPENAI_API_KEY, else none)")
+    server.add_argument("--model", default=None, help="model name to ask for (default: the server's first model)")
+    server.add_argument("--concurrency", type=int, default=16,
+                        help="conversations in flight (default: %(default)s)")
+    server.add_argument("--retries", type=int, default=5, help="tries after the first (default: %(default)s)")
+    server.add_argument("--retry-backoff", type=float, default=1.0, metavar="SECONDS",
+                        help="wait before the first retry, doubled for each next one (default: %(default)s)")
+    server.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS",
+                        help="one request, connect to last byte (default: %(default)s)")
     p.set_defaults(func=run_regenerate)
 
     tokenize = commands.add_parser(
@@ -219,7 +261,9 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
         description="Runs the target over tokenized training data once and writes the hidden states of the "
         "drafter's target layers plus the final-normed state (never logits) as a sharded, memory-mapped cache: "
         "manifest.json, samples.idx, shard-NNNNN.bin. Disk use is 6 + 2H(n+1) bytes per token (SmolLM2-135M, "
-        "5 layers: 6,918 B). Rerun the same command to resume after an interruption. Train on it with "
+        "5 layers: 6,918 B). Rerun the same command to resume after an interruption. Under `torchrun --nproc_per_node N "
+        "-m dspark.cli data features ...` each process labels every N-th sequence and rank 0 merges the parts into one "
+        "cache (resume with the same N). Train on it with "
         "--set feature_source=cache --set cache_dir=OUT.",
     )
     p.add_argument("--config", default=None, metavar="FILE|PRESET",
@@ -227,6 +271,8 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a field of --config (repeatable)")
     p.add_argument("--target", default=None, help=f"preset or HF folder (default: the config's, else {DEFAULT_TARGET})")
+    add_device_option(p, help="where the target runs (default: auto = cuda when a GPU is available, else cpu)")
+    add_dtype_option(p, "the target (the cache stores bf16 either way)")
     p.add_argument("--data", nargs="+", default=None, help="tokenized dataset path(s) (default: the config's)")
     p.add_argument("--out", required=True, help="cache folder (new, or an unfinished build to resume)")
     p.add_argument("--layer-ids", default=None,

@@ -21,9 +21,17 @@ either tool can read the other's cache:
   loss_mask u8[L], target_hidden_states bf16[L, n*H], target_last_hidden_states
   bf16[L, H]. Never logits.
 
+Our builds add, per sample right after target_last_hidden_states (DeepSpec's offset-based
+reader skips it), ``target_logsumexp`` float32[L]: the log-sum-exp of the target's logits over
+its whole vocabulary, computed from the stored bf16 last hidden state. With it the target's
+distribution on a draft vocabulary costs W rows of the LM head per step, not V (manifest key
+``target_logsumexp_dtype``; absent in DeepSpec's caches, then computed when a sample is read).
+The manifest also records ``vocab_size``, ``num_target_layers`` and ``target_fingerprint``
+(a few LM-head values), so a cache from another target is refused by name.
+
 Bytes per token = 4 + 1 + 1 + 2*n*H + 2*H = 6 + 2H(n+1) (5 + 2H(n+1) without the
-attention mask). SmolLM2-135M (H=576, n=5): 6 + 2*576*6 = 6,918 bytes/token,
-i.e. about 6.9 GB per million tokens. Qwen3-4B (H=2560): 30,726 bytes/token.
+attention mask), + 4 with the log-sum-exp. SmolLM2-135M (H=576, n=5): 6 + 2*576*6 = 6,918
+bytes/token (6,922 with it), i.e. about 6.9 GB per million tokens. Qwen3-4B (H=2560): 30,726.
 
 Shapes: L = sequence length, H = hidden size, n = len(target_layer_ids),
 F = n*H.
@@ -33,36 +41,35 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 import torch
 
+from dspark.data.feature_writer import (  # noqa: F401  (INDEX_RECORD, FeatureCacheError: re-exported)
+    INDEX_DTYPE,
+    INDEX_RECORD,
+    FeatureCacheError,
+    ShardWriter,
+    atomic_json,
+    merge_parts,
+    part_dir,
+    remove_parts,
+)
+from dspark.drafters.checkpoint import check_fingerprint, target_fingerprint
+from dspark.drafters.sample import TrainSample, target_logsumexp
 from dspark.errors import DSparkError
 from dspark.target.model import TargetModel
-from dspark.drafters.sample import TrainSample
 
 CACHE_VERSION = 2
-INDEX_RECORD = struct.Struct("<QIIQQQQQ")  # id, shard, seq_len, 5 byte offsets
-INDEX_DTYPE = np.dtype([
-    ("sample_id", "<u8"), ("shard_id", "<u4"), ("seq_len", "<u4"),
-    ("input_ids", "<u8"), ("attention_mask", "<u8"), ("loss_mask", "<u8"),
-    ("target_hidden_states", "<u8"), ("target_last_hidden_states", "<u8"),
-])
-assert INDEX_DTYPE.itemsize == INDEX_RECORD.size == 56
 DEFAULT_SHARD_BYTES = 64 * 2**30  # DeepSpec's shard cap
 _BUILD_INFO = "build_info.json"
 
 
-class FeatureCacheError(DSparkError):
-    """A feature cache folder is missing, incomplete, or does not fit the training run."""
-
-
-def bytes_per_token(hidden_size: int, num_layers: int, attention_mask: bool = True) -> int:
-    """Disk bytes per cached token: 6 + 2H(n+1) (5 + ... without the attention mask)."""
-    return (6 if attention_mask else 5) + 2 * hidden_size * (num_layers + 1)
+def bytes_per_token(hidden_size: int, num_layers: int, attention_mask: bool = True, logsumexp: bool = False) -> int:
+    """Disk bytes per cached token: 6 + 2H(n+1) (5 + ... without the attention mask; + 4 with the log-sum-exp)."""
+    return (6 if attention_mask else 5) + 2 * hidden_size * (num_layers + 1) + (4 if logsumexp else 0)
 
 
 # ---------------------------------------------------------------- online
@@ -98,109 +105,19 @@ def _as_tensor(x: Any, dtype: torch.dtype) -> torch.Tensor:
 
 def online_sample(
     target: TargetModel, item: dict[str, Any], layer_ids: list[int], max_length: int | None = None,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype = torch.float32, logsumexp: bool = False,
 ) -> TrainSample:
-    """A ``TrainSample`` for one tokenized item, features computed by the target now."""
+    """A ``TrainSample`` for one tokenized item, features (and with ``logsumexp`` the target's
+    log-normaliser, for a draft vocabulary) computed by the target now."""
     input_ids = _as_tensor(item["input_ids"], torch.long)[:max_length]  # (L,)
     loss_mask = _as_tensor(item["loss_mask"], torch.long)[:max_length]  # (L,)
     features, last_hidden = compute_features(target, input_ids, layer_ids)
-    return TrainSample(input_ids=input_ids, loss_mask=loss_mask,
-                       target_features=features.to(dtype), target_last_hidden=last_hidden.to(dtype))
+    lse = target_logsumexp(target, last_hidden) if logsumexp else None  # (L,)
+    return TrainSample(input_ids=input_ids, loss_mask=loss_mask, target_features=features.to(dtype),
+                       target_last_hidden=last_hidden.to(dtype), target_logsumexp=lse)
 
 
 # ---------------------------------------------------------------- disk cache: writing
-
-def _bf16_bytes(x: torch.Tensor) -> bytes:
-    return x.detach().to("cpu", torch.bfloat16).contiguous().view(torch.uint16).numpy().tobytes()
-
-
-class _ShardWriter:
-    """Appends samples to shard files and index records to samples.idx."""
-
-    def __init__(self, out_dir: Path, hidden_size: int, max_shard_bytes: int) -> None:
-        self.out_dir = out_dir
-        self.hidden_size = hidden_size
-        self.max_shard_bytes = max_shard_bytes
-        self.index_path = out_dir / "samples.idx"
-        self.shard_id, self.shard_size = -1, 0
-        self.shard = None
-        self.num_samples = self._recover()
-        self.index = open(self.index_path, "ab")
-
-    def _recover(self) -> int:
-        """Resume after a kill: keep whole index records, cut the last shard after the last sample."""
-        if not self.index_path.exists():
-            return 0
-        size = self.index_path.stat().st_size
-        n = size // INDEX_RECORD.size
-        os.truncate(self.index_path, n * INDEX_RECORD.size)
-        if n == 0:
-            for f in self.out_dir.glob("shard-*.bin"):
-                f.unlink()
-            return 0
-        with open(self.index_path, "rb") as f:
-            f.seek((n - 1) * INDEX_RECORD.size)
-            rec = np.frombuffer(f.read(INDEX_RECORD.size), INDEX_DTYPE)[0]
-        self.shard_id = int(rec["shard_id"])
-        # end of the last sample = start of its last array + L * H bf16 values
-        self.shard_size = int(rec["target_last_hidden_states"]) + int(rec["seq_len"]) * self.hidden_size * 2
-        path = self._shard_path(self.shard_id)
-        if not path.exists() or path.stat().st_size < self.shard_size:
-            raise FeatureCacheError(f"{path} is shorter than its index says; delete {self.out_dir} and rebuild")
-        os.truncate(path, self.shard_size)
-        for f in self.out_dir.glob("shard-*.bin"):
-            if int(f.stem.split("-")[1]) > self.shard_id:
-                f.unlink()
-        self.shard = open(path, "ab")
-        return n
-
-    def _shard_path(self, shard_id: int) -> Path:
-        return self.out_dir / f"shard-{shard_id:05d}.bin"
-
-    def _open_next_shard(self) -> None:
-        if self.shard is not None:
-            self.shard.close()
-        self.shard_id += 1
-        self.shard_size = 0
-        self.shard = open(self._shard_path(self.shard_id), "wb")
-
-    def write(self, sample_id: int, input_ids: torch.Tensor, loss_mask: torch.Tensor,
-              features: torch.Tensor, last_hidden: torch.Tensor) -> None:
-        L = int(input_ids.numel())
-        parts = [
-            input_ids.to(torch.int32).numpy().tobytes(),
-            np.ones(L, np.uint8).tobytes(),  # attention_mask
-            loss_mask.to(torch.uint8).numpy().tobytes(),
-            _bf16_bytes(features),
-            _bf16_bytes(last_hidden),
-        ]
-        total = sum(len(p) for p in parts)
-        if self.shard is None or (self.shard_size > 0 and self.shard_size + total > self.max_shard_bytes):
-            self._open_next_shard()
-        offsets = []
-        for p in parts:
-            offsets.append(self.shard_size)
-            self.shard.write(p)
-            self.shard_size += len(p)
-        # the sample's bytes reach the file before its index record does
-        self.shard.flush()
-        self.index.write(INDEX_RECORD.pack(sample_id, self.shard_id, L, *offsets))
-        self.index.flush()
-        self.num_samples += 1
-
-    def close(self) -> None:
-        for f in (self.shard, self.index):
-            if f is not None:
-                f.flush()
-                os.fsync(f.fileno())
-                f.close()
-
-
-def _atomic_json(path: Path, payload: dict) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=2, sort_keys=True))
-    os.replace(tmp, path)
-
 
 def build_feature_cache(
     target: TargetModel,
@@ -211,8 +128,15 @@ def build_feature_cache(
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
     source_paths: list[str] | None = None,
     progress: bool = True,
+    rank: int = 0,
+    world_size: int = 1,
 ) -> Path:
-    """Run the target over every sample and write the cache; rerun the same call to resume after a kill."""
+    """Run the target over every sample and write the cache; rerun the same call to resume after a kill.
+
+    With ``world_size`` > 1 (every rank of an initialised ``torch.distributed`` group calls this) rank r
+    labels samples r, r+W, r+2W, ... into its own part folder; rank 0 then merges the parts into one
+    cache (``feature_writer.merge_parts``) that reads exactly like a one-process build. A sharded build
+    resumes with the same number of ranks only."""
     from tqdm.auto import tqdm
 
     out_dir = Path(out_dir)
@@ -223,55 +147,123 @@ def build_feature_cache(
     info = {
         "target_model_name_or_path": str(target.path or target.name), "target_layer_ids": layer_ids,
         "hidden_size": target.hidden_size, "num_source_samples": len(dataset), "max_length": max_length,
-        "source_jsonl_paths": [str(p) for p in (source_paths or [])],
+        "source_jsonl_paths": [str(p) for p in (source_paths or [])], "target_logsumexp_dtype": "float32",
+        "vocab_size": target.vocab_size, "num_target_layers": target.num_layers,
+        "target_fingerprint": target_fingerprint(target), "world_size": world_size,
     }
-    manifest_path = out_dir / "manifest.json"
-    if manifest_path.exists():
-        _check_build_info(out_dir, info)
+    if (out_dir / "manifest.json").exists():
+        _check_build_info(out_dir, info, finished=True)
         return out_dir  # already complete
+    if rank == 0:
+        _open_build_folder(out_dir, info)
+    _barrier(world_size)
+    if rank != 0:
+        _check_build_info(out_dir, info)
+    sharded = world_size > 1
+    folder = part_dir(out_dir, rank) if sharded else out_dir
+    merging = sharded and (out_dir / "merge.json").exists()  # a killed merge: the labelling is done
+    indices = range(rank, len(dataset), world_size)  # this rank's samples
+    if not merging:
+        folder.mkdir(exist_ok=True)
+        writer = ShardWriter(folder, target.hidden_size, max_shard_bytes)
+        bar = tqdm(total=len(indices), initial=writer.num_samples, desc="target features", unit="seq",
+                   disable=not progress or rank != 0, dynamic_ncols=True)
+        try:
+            for i in indices[writer.num_samples:]:
+                _write_sample(target, dataset[i], i, layer_ids, max_length, writer)
+                bar.update(1)
+        finally:
+            bar.close()
+            writer.close()
+    _barrier(world_size)
+    if rank == 0:
+        num_shards = merge_parts(out_dir, world_size, len(dataset)) if sharded else writer.shard_id + 1
+        _write_manifest(out_dir, info, len(dataset), num_shards)
+        if sharded:
+            remove_parts(out_dir, world_size)
+    _barrier(world_size)
+    return out_dir
+
+
+def join_ranks() -> tuple[int, int]:
+    """(rank, world size): under ``torchrun`` this process joins a gloo group (the build only meets at
+    barriers, so ranks may label for hours before they wait); (0, 1) in a single process. A rank on a
+    GPU machine takes GPU ``LOCAL_RANK`` as its current device."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return 0, 1
+    import datetime
+
+    import torch.distributed as dist
+
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", timeout=datetime.timedelta(days=1))
+    return dist.get_rank(), world
+
+
+def leave_ranks() -> None:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def _barrier(world_size: int) -> None:
+    if world_size > 1:
+        torch.distributed.barrier()
+
+
+def _open_build_folder(out_dir: Path, info: dict) -> None:
+    """A new build needs an empty (or new) folder; an unfinished one must have been started alike."""
     out_dir.mkdir(parents=True, exist_ok=True)
     if (out_dir / _BUILD_INFO).exists():
         _check_build_info(out_dir, info)
     elif any(out_dir.iterdir()):
         raise FeatureCacheError(f"{out_dir} is not empty and holds no unfinished feature cache; use a new folder")
     else:
-        _atomic_json(out_dir / _BUILD_INFO, info)
+        atomic_json(out_dir / _BUILD_INFO, info)
 
-    writer = _ShardWriter(out_dir, target.hidden_size, max_shard_bytes)
-    start = writer.num_samples
-    bar = tqdm(total=len(dataset), initial=start, desc="target features", unit="seq", disable=not progress,
-               dynamic_ncols=True)
-    try:
-        for i in range(start, len(dataset)):
-            item = dataset[i]
-            input_ids = _as_tensor(item["input_ids"], torch.long)[:max_length]  # (L,)
-            loss_mask = _as_tensor(item["loss_mask"], torch.long)[:max_length]  # (L,)
-            features, last_hidden = compute_features(target, input_ids, layer_ids)  # (L, F), (L, H)
-            writer.write(i, input_ids, loss_mask, features, last_hidden)
-            bar.update(1)
-            bar.set_postfix(tokens=int(input_ids.numel()))
-    finally:
-        bar.close()
-        writer.close()
+
+def _write_sample(target: TargetModel, item: dict[str, Any], sample_id: int, layer_ids: list[int],
+                  max_length: int | None, writer: ShardWriter) -> None:
+    input_ids = _as_tensor(item["input_ids"], torch.long)[:max_length]  # (L,)
+    loss_mask = _as_tensor(item["loss_mask"], torch.long)[:max_length]  # (L,)
+    features, last_hidden = compute_features(target, input_ids, layer_ids)  # (L, F), (L, H)
+    last_hidden = last_hidden.to(torch.bfloat16)  # as stored: the log-sum-exp must match what is read
+    lse = target_logsumexp(target, last_hidden)  # (L,)
+    writer.write(sample_id, input_ids, loss_mask, features, last_hidden, lse)
+
+
+def _write_manifest(out_dir: Path, info: dict, num_samples: int, num_shards: int) -> None:
+    """Written last: a folder without manifest.json is an unfinished build."""
+    layer_ids, hidden_size = info["target_layer_ids"], info["hidden_size"]
     manifest = {
-        "version": CACHE_VERSION, "num_samples": writer.num_samples, "num_shards": writer.shard_id + 1,
+        "version": CACHE_VERSION, "num_samples": num_samples, "num_shards": num_shards,
         "target_layer_ids": layer_ids, "hidden_dtype": "bfloat16", "token_dtype": "int32",
-        "mask_dtype": "uint8", "index_record_size": INDEX_RECORD.size, "hidden_size": target.hidden_size,
-        "shards": [{"shard_id": s, "file_name": f"shard-{s:05d}.bin"} for s in range(writer.shard_id + 1)],
+        "mask_dtype": "uint8", "index_record_size": INDEX_RECORD.size, "hidden_size": hidden_size,
+        "shards": [{"shard_id": s, "file_name": f"shard-{s:05d}.bin"} for s in range(num_shards)],
         "target_model_name_or_path": info["target_model_name_or_path"],
-        "source_jsonl_paths": info["source_jsonl_paths"], "max_length": max_length,
-        "bytes_per_token": bytes_per_token(target.hidden_size, len(layer_ids)),
+        "source_jsonl_paths": info["source_jsonl_paths"], "max_length": info["max_length"],
+        "bytes_per_token": bytes_per_token(hidden_size, len(layer_ids), logsumexp=True),
+        **{k: info[k] for k in ("target_logsumexp_dtype", "vocab_size", "num_target_layers", "target_fingerprint")},
     }
-    _atomic_json(manifest_path, manifest)
-    return out_dir
+    atomic_json(out_dir / "manifest.json", manifest)
 
 
-def _check_build_info(out_dir: Path, info: dict) -> None:
+def _check_build_info(out_dir: Path, info: dict, finished: bool = False) -> None:
     path = out_dir / _BUILD_INFO
     if not path.exists():
         return
     old = json.loads(path.read_text())
-    diff = [k for k in ("target_layer_ids", "hidden_size", "num_source_samples", "max_length") if old.get(k) != info[k]]
+    keys = ("target_layer_ids", "hidden_size", "num_source_samples", "max_length", "target_logsumexp_dtype",
+            "vocab_size")
+    diff = [k for k in keys if old.get(k) != info[k]]
+    ranks = old.get("world_size", 1)  # builds from before sharding were one process
+    if not diff and not finished and ranks != info["world_size"]:  # each rank resumes its own part
+        raise FeatureCacheError(
+            f"{out_dir} holds an unfinished feature cache built by {ranks} process(es); resume it with the "
+            f"same number (torchrun --nproc_per_node {ranks}), not {info['world_size']}, or use a new folder"
+        )
     if diff:
         raise FeatureCacheError(
             f"{out_dir} holds a feature cache built with different {', '.join(diff)} "
@@ -292,8 +284,10 @@ class FeatureCacheDataset:
         self.max_length = max_length
         self.hidden_size = int(self.manifest["hidden_size"])
         self.target_layer_ids = [int(i) for i in self.manifest["target_layer_ids"]]
+        self.has_logsumexp = self.manifest.get("target_logsumexp_dtype") == "float32"
         self.index = np.fromfile(self.cache_dir / "samples.idx", dtype=INDEX_DTYPE)
         self._shards: dict[int, np.memmap] = {}
+        check_index(self.cache_dir, self.manifest, self.index, self.has_logsumexp)
 
     def __len__(self) -> int:
         return len(self.index)
@@ -322,11 +316,16 @@ class FeatureCacheDataset:
             return raw.view(torch.bfloat16).reshape(L, width)
 
         keep = L if self.max_length is None else min(L, self.max_length)
+        lse = None
+        if self.has_logsumexp:  # float32[L] right after the last hidden states
+            start = int(rec["target_last_hidden_states"]) + L * H * 2
+            lse = torch.from_numpy(mm[start : start + 4 * L].view(np.float32).copy())[:keep]  # (L,)
         return TrainSample(
             input_ids=torch.from_numpy(view("input_ids", np.int32, L).astype(np.int64))[:keep],  # (L,)
             loss_mask=torch.from_numpy(view("loss_mask", np.uint8, L).astype(np.int64))[:keep],  # (L,)
             target_features=bf16("target_hidden_states", F)[:keep].to(self.dtype),  # (L, F)
             target_last_hidden=bf16("target_last_hidden_states", H)[:keep].to(self.dtype),  # (L, H)
+            target_logsumexp=lse,
         )
 
 
@@ -336,7 +335,12 @@ def load_manifest(cache_dir: Path) -> dict:
         hint = " (an unfinished build: rerun `dspark data features` with the same arguments to finish it)" \
             if (Path(cache_dir) / _BUILD_INFO).exists() else ""
         raise FeatureCacheError(f"{cache_dir} has no manifest.json{hint}")
-    m = json.loads(path.read_text())
+    try:
+        m = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise FeatureCacheError(f"{path} is not readable JSON ({err}); the cache is damaged, rebuild it") from None
+    if not isinstance(m, dict):
+        raise FeatureCacheError(f"{path} is not a feature-cache manifest (a JSON object)")
     missing = sorted({"version", "num_samples", "num_shards", "target_layer_ids", "hidden_dtype", "token_dtype",
                       "mask_dtype", "index_record_size", "hidden_size", "shards"} - set(m))
     if missing:
@@ -347,6 +351,8 @@ def load_manifest(cache_dir: Path) -> dict:
             f"{path}: unsupported cache format (version {m['version']}, hidden {m['hidden_dtype']}); "
             "this reader supports version 2 with bfloat16 hidden states"
         )
+    if int(m["num_samples"]) < 1:
+        raise FeatureCacheError(f"{path}: the feature cache is empty (0 samples); build it from a non-empty dataset")
     idx = Path(cache_dir) / "samples.idx"
     if not idx.exists() or idx.stat().st_size != int(m["num_samples"]) * INDEX_RECORD.size:
         raise FeatureCacheError(f"{idx} does not hold {m['num_samples']} records; the cache is damaged")
@@ -356,15 +362,56 @@ def load_manifest(cache_dir: Path) -> dict:
     return m
 
 
-def check_cache_fits(manifest: dict, layer_ids: list[int], hidden_size: int) -> None:
-    """The cache must hold the layers and width the drafter reads."""
+def check_index(cache_dir: Path, manifest: dict, index: np.ndarray, logsumexp: bool) -> None:
+    """Every index record must point inside an existing shard (a truncated or overwritten shard is refused)."""
+    H, n = int(manifest["hidden_size"]), len(manifest["target_layer_ids"])
+    shards = manifest["shards"]
+    bad = index["shard_id"] >= len(shards)
+    if bad.any():
+        raise FeatureCacheError(f"{cache_dir}/samples.idx: sample {int(bad.argmax())} names shard "
+                                f"{int(index['shard_id'][bad.argmax()])}, the manifest lists {len(shards)}; damaged")
+    L = index["seq_len"].astype(np.int64)
+    ends = index["target_last_hidden_states"].astype(np.int64) + L * (2 * H + (4 if logsumexp else 0))
+    order = [index["input_ids"], index["attention_mask"], index["loss_mask"], index["target_hidden_states"],
+             index["target_last_hidden_states"]]
+    sizes = [L * 4, L, L, L * 2 * n * H]
+    ok = np.ones(len(index), dtype=bool)
+    for (a, b), size in zip(zip(order, order[1:]), sizes):
+        ok &= a.astype(np.int64) + size == b.astype(np.int64)
+    for s, shard in enumerate(shards):
+        mine = index["shard_id"] == s
+        if not mine.any():
+            continue
+        file = Path(cache_dir) / shard["file_name"]
+        if int(ends[mine].max()) > file.stat().st_size:
+            raise FeatureCacheError(f"{file} is shorter than samples.idx says (truncated?); the cache is damaged, "
+                                    "rebuild it")
+    if not ok.all():
+        raise FeatureCacheError(f"{cache_dir}/samples.idx: record {int((~ok).argmax())} has inconsistent offsets; "
+                                "the cache is damaged, rebuild it")
+
+
+def check_cache_fits(manifest: dict, layer_ids: list[int], hidden_size: int, target=None,
+                     cache_dir: str | Path = "the feature cache") -> None:
+    """The cache must hold the layers and width the drafter reads, and (when it says) come from ``target``."""
+    where = f"{cache_dir}/manifest.json" if cache_dir != "the feature cache" else cache_dir
     if [int(i) for i in manifest["target_layer_ids"]] != [int(i) for i in layer_ids]:
         raise FeatureCacheError(
-            f"the feature cache holds target layers {manifest['target_layer_ids']} but the drafter reads "
+            f"{where} holds target layers {manifest['target_layer_ids']} but the drafter reads "
             f"{list(layer_ids)}; rebuild the cache or set model.target_layer_ids to match"
         )
     if int(manifest["hidden_size"]) != hidden_size:
         raise FeatureCacheError(
-            f"the feature cache has hidden size {manifest['hidden_size']}, the target {hidden_size}: "
+            f"{where} has hidden size {manifest['hidden_size']}, the target {hidden_size}: "
             "it was built from another target"
         )
+    if target is None:
+        return
+    for key, mine in (("vocab_size", target.vocab_size), ("num_target_layers", target.num_layers)):
+        if manifest.get(key) is not None and int(manifest[key]) != mine:
+            raise FeatureCacheError(f"{where} has {key} {manifest[key]}, the target {mine}: "
+                                    "it was built from another target")
+    try:
+        check_fingerprint(str(where), manifest.get("target_fingerprint"), target, "target_fingerprint")
+    except DSparkError as err:
+        raise FeatureCacheError(str(err).replace("was trained for", "was built from")) from None

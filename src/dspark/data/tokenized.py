@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from dspark.errors import DSparkError
+from dspark.errors import BadFileError, DSparkError
 from dspark.data.chat import MIN_LOSS_TOKENS, tokenize_conversation
 
 FORMAT_VERSION = 1
@@ -108,30 +108,75 @@ def write_tokenized(jsonl_in: str | Path | list[str | Path], tokenizer, out_path
                            manifest["num_loss_tokens"], dict(skipped))
 
 
+def _bad(path: Path, what: str) -> BadFileError:
+    return BadFileError(f"tokenized data {path} {what}; re-run `dspark data tokenize`")
+
+
+def _read_manifest(folder: Path) -> dict:
+    path = folder / "manifest.json"
+    if not path.is_file():
+        raise BadFileError(f"{folder} is not a tokenized dataset (no manifest.json); "
+                           "create it with `dspark data tokenize`")
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:  # ValueError: not JSON, or not UTF-8
+        raise _bad(path, f"is not valid JSON ({err})") from None
+    if not isinstance(manifest, dict):
+        raise _bad(path, "must hold a JSON object")
+    if manifest.get("version") != FORMAT_VERSION:
+        raise _bad(path, f"has format version {manifest.get('version')!r}, this dspark reads version {FORMAT_VERSION}")
+    for key in ("num_samples", "num_tokens"):
+        value = manifest.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise _bad(path, f"needs {key!r} as an integer >= 0, got {value!r}")
+    return manifest
+
+
+def _load_array(path: Path, length: int, mmap: bool) -> np.ndarray:  # (length,) integers
+    """One of the folder's arrays, checked to be a 1-D integer array of ``length`` entries."""
+    if not path.is_file():
+        raise _bad(path, "is missing")
+    try:
+        array = np.load(path, mmap_mode="r" if mmap else None)
+    except (OSError, ValueError, EOFError) as err:  # truncated, not .npy, or pickled objects
+        raise _bad(path, f"is truncated or not a .npy array ({err})") from None
+    if array.ndim != 1 or not np.issubdtype(array.dtype, np.integer):
+        raise _bad(path, f"must be a 1-D integer array, got shape {array.shape} of {array.dtype}")
+    if len(array) != length:
+        raise _bad(path, f"has {len(array)} entries where {path.with_name('manifest.json')} needs {length}")
+    return array
+
+
 class TokenizedDataset(Dataset):
-    """Samples of a `write_tokenized` folder: `{"input_ids": (L,) long, "loss_mask": (L,) long}`."""
+    """Samples of a `write_tokenized` folder: `{"input_ids": (L,) long, "loss_mask": (L,) long}`.
+
+    The manifest and the arrays are checked on load (counts, offsets, token ids); a bad folder raises
+    ``BadFileError`` naming the file."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        manifest_path = self.path / "manifest.json"
-        if not manifest_path.is_file():
-            raise DSparkError(f"{self.path} is not a tokenized dataset (no manifest.json); "
-                              "create it with `dspark data tokenize`")
-        self.manifest = json.loads(manifest_path.read_text())
-        if self.manifest.get("version") != FORMAT_VERSION:
-            raise DSparkError(f"{self.path} has format version {self.manifest.get('version')}, "
-                              f"this dspark reads version {FORMAT_VERSION}; re-run `dspark data tokenize`")
-        self.offsets = np.load(self.path / "offsets.npy")  # (N+1,)
+        self.manifest = _read_manifest(self.path)
+        num_samples, num_tokens = self.manifest["num_samples"], self.manifest["num_tokens"]
+        offsets_path = self.path / "offsets.npy"
+        self.offsets = _load_array(offsets_path, num_samples + 1, mmap=False)  # (N+1,)
+        if self.offsets[0] != 0 or self.offsets[-1] != num_tokens or (np.diff(self.offsets) < 0).any():
+            raise _bad(offsets_path, f"must rise from 0 to num_tokens = {num_tokens} without decreasing")
         self.lengths = np.diff(self.offsets)  # (N,)
         self._arrays: tuple[np.ndarray, np.ndarray] | None = None  # memory maps, opened per process
+        input_ids, _ = self._maps()
+        vocab_size = self.manifest.get("vocab_size")
+        vocab_size = vocab_size if isinstance(vocab_size, int) and vocab_size > 0 else np.iinfo(np.int64).max
+        if num_tokens and not 0 <= int(input_ids.min()) <= int(input_ids.max()) < vocab_size:
+            raise _bad(self.path / "input_ids.npy", f"holds token ids outside [0, vocab_size = {vocab_size})")
 
     def __getstate__(self) -> dict:  # DataLoader workers reopen the maps instead of copying them
         return {**self.__dict__, "_arrays": None}
 
     def _maps(self) -> tuple[np.ndarray, np.ndarray]:
         if self._arrays is None:
-            self._arrays = (np.load(self.path / "input_ids.npy", mmap_mode="r"),  # (T,)
-                            np.load(self.path / "loss_mask.npy", mmap_mode="r"))  # (T,)
+            num_tokens = self.manifest["num_tokens"]
+            self._arrays = (_load_array(self.path / "input_ids.npy", num_tokens, mmap=True),  # (T,)
+                            _load_array(self.path / "loss_mask.npy", num_tokens, mmap=True))  # (T,)
         return self._arrays
 
     def __len__(self) -> int:

@@ -8,6 +8,7 @@ restricted to these tokens still decodes losslessly.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, Iterable
 
 import numpy as np
 
@@ -18,12 +19,17 @@ from dspark.errors import DSparkError
 
 def count_tokens(data_dir: str | Path, vocab_size: int) -> np.ndarray:  # (V,) int64 counts of supervised tokens
     ds = TokenizedDataset(data_dir)
+    items = (ds[i] for i in range(len(ds)))
+    return count_sequences(((it["input_ids"], it["loss_mask"]) for it in items), vocab_size, str(data_dir))
+
+
+def count_sequences(sequences: Iterable[tuple[Any, Any]], vocab_size: int, source: str) -> np.ndarray:  # (V,) int64
+    """Counts of the supervised tokens of (input_ids (L,), loss_mask (L,)) pairs (tokenized data or a feature cache)."""
     counts = np.zeros(vocab_size, dtype=np.int64)
-    for i in range(len(ds)):
-        item = ds[i]
-        ids = np.asarray(item["input_ids"])[np.asarray(item["loss_mask"]).astype(bool)]
+    for input_ids, loss_mask in sequences:
+        ids = np.asarray(input_ids)[np.asarray(loss_mask).astype(bool)]
         if ids.size and int(ids.max()) >= vocab_size:
-            raise DSparkError(f"{data_dir}: token id {int(ids.max())} outside a vocabulary of {vocab_size}")
+            raise DSparkError(f"{source}: token id {int(ids.max())} outside a vocabulary of {vocab_size}")
         counts += np.bincount(ids, minlength=vocab_size)
     return counts
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dspark.errors import IncompatibleModelsError
+from dspark.errors import IncompatibleModelsError, ModelLoadError
 from dspark.modeling.spec import SUPPORTED, DecoderSpec
 from dspark.modeling.weights import load_state_dict, read_config
 
@@ -106,23 +106,41 @@ def draft_spec_from(target_spec: DecoderSpec, num_layers: int) -> DecoderSpec:
     )
 
 
+#: the frozen tensors a drafter shares with its target (a checkpoint may leave them out)
+FROZEN_PREFIXES = ("embed_tokens.", "lm_head.")
+
+
 def write_checkpoint(folder: Path, state: dict[str, torch.Tensor], config: dict[str, Any],
                      dtype: torch.dtype) -> None:
-    """``model.safetensors`` + ``config.json`` (DeepSpec layout); the caller makes it atomic."""
+    """``model.safetensors`` + ``config.json`` (DeepSpec layout); the caller makes it atomic.
+    Floating tensors are written as ``dtype``, integer ones (a draft vocabulary) as they are."""
     from safetensors.torch import save_file
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().to("cpu", dtype).contiguous().clone() for k, v in state.items()}
+    tensors = {k: v.detach().to("cpu", dtype if v.is_floating_point() else v.dtype).contiguous().clone()
+               for k, v in state.items()}
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     config = {**config, "torch_dtype": str(dtype).removeprefix("torch."), "dtype": str(dtype).removeprefix("torch.")}
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
+def checkpoint_keys(folder: Path) -> set[str]:
+    """The tensor names of a drafter folder, any ``model.`` prefix removed (reads only the header of a single
+    ``model.safetensors``)."""
+    path = Path(folder) / "model.safetensors"
+    if path.is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(path), "pt") as f:
+            return {k.removeprefix("model.") for k in f.keys()}
+    return set(read_checkpoint_state(folder))
+
+
 def read_checkpoint_state(folder: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a drafter folder in float32, any ``model.`` prefix removed."""
+    """All tensors of a drafter folder, floating ones in float32, any ``model.`` prefix removed."""
     state = load_state_dict(Path(folder))
-    return {k.removeprefix("model."): v.float() for k, v in state.items()}
+    return {k.removeprefix("model."): v.float() if v.is_floating_point() else v for k, v in state.items()}
 
 
 def check_target_fit(what: str, *, hidden_size: int, vocab_size: int, target_layer_ids: list[int],
@@ -154,7 +172,9 @@ def load_drafter_weights(model: nn.Module, folder: Path, what: str, target=None)
     from dspark.modeling.weights import load_into
 
     state = read_checkpoint_state(folder)
-    frozen = ("embed_tokens.", "lm_head.")
+    frozen = FROZEN_PREFIXES
+    if target is not None and "lm_head.weight" in state and state["lm_head.weight"].shape == target.model.lm_head.weight.shape:
+        check_fingerprint(what, head_fingerprint(state["lm_head.weight"]), target, "its lm_head")
     load_into(model, state, what, allow_missing=frozen if target is not None else ())
     if target is not None and any(f"{p}weight" not in state for p in frozen):
         copy_frozen_embeddings(model, target)
@@ -164,10 +184,13 @@ def load_drafter_weights(model: nn.Module, folder: Path, what: str, target=None)
 
 
 def copy_frozen_embeddings(model: nn.Module, target) -> None:
-    """Copy the target's input embedding and LM head into ``model`` and freeze them (shared, never trained)."""
+    """Copy the target's input embedding and LM head into ``model`` and freeze them (shared, never trained).
+    A model with a ``draft_vocab`` gets the LM head's rows over it only."""
+    vocab = getattr(model, "draft_vocab", None)
+    head = target.model.lm_head.weight
     with torch.no_grad():
         model.embed_tokens.weight.copy_(target.model.model.embed_tokens.weight)
-        model.lm_head.weight.copy_(target.model.lm_head.weight)
+        model.lm_head.weight.copy_(head if vocab is None else head[vocab.to(head.device)])
     model.embed_tokens.requires_grad_(False)
     model.lm_head.requires_grad_(False)
 
@@ -186,4 +209,78 @@ def finish_new_drafter(model: nn.Module, target, base: dict[str, Any], generator
     the target's embedding and LM head copied in and frozen, cast to the target's dtype."""
     init_weights(model, float(base.get("initializer_range", 0.02)), generator)
     copy_frozen_embeddings(model, target)
-    return model.to(target.dtype)
+    return model.to(device=target.device, dtype=target.dtype)
+
+
+# ---------------------------------------------------------------- draft vocabulary and target fingerprint
+
+def check_draft_vocab(ids: torch.Tensor | list[int], vocab_size: int, what: str = "draft vocabulary") -> torch.Tensor:
+    """The draft vocabulary as a (W,) int64 tensor: distinct target ids in [0, vocab_size), at least one."""
+    t = torch.as_tensor(ids)
+    if t.is_floating_point() or t.dim() != 1 or t.numel() == 0:
+        raise IncompatibleModelsError(f"{what}: expected a non-empty 1-D list of token ids, got {tuple(t.shape)} {t.dtype}")
+    t = t.long()
+    lo, hi = int(t.min()), int(t.max())
+    if lo < 0 or hi >= vocab_size:
+        raise IncompatibleModelsError(
+            f"{what}: token id {hi if hi >= vocab_size else lo} is outside the target vocabulary of {vocab_size}; "
+            "it was built for another tokenizer")
+    if torch.unique(t).numel() != t.numel():
+        raise IncompatibleModelsError(f"{what}: token ids repeat")
+    return t.cpu()
+
+
+def vocab_index(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:  # (W,) -> (V,) int64: id -> w, -1 outside
+    index = torch.full((vocab_size,), -1, dtype=torch.long)
+    index[ids] = torch.arange(ids.numel())
+    return index
+
+
+def read_draft_vocab(folder: Path, config: dict[str, Any], vocab_size: int) -> torch.Tensor | None:
+    """The (W,) ``draft_vocab`` tensor of a checkpoint whose config.json has ``draft_vocab_size`` (else None)."""
+    from safetensors import safe_open
+
+    size = config.get("draft_vocab_size")
+    path = Path(folder) / "model.safetensors"
+    try:
+        with safe_open(str(path), "pt") as f:
+            ids = f.get_tensor("draft_vocab") if "draft_vocab" in f.keys() else None
+    except Exception:  # no single safetensors file (sharded, .bin, corrupt): the weight loader reports it
+        ids = None
+    if size is None:
+        if ids is not None:
+            raise ModelLoadError(f"{path} holds a draft_vocab tensor but {folder}/config.json has no draft_vocab_size")
+        return None
+    if ids is None:
+        raise ModelLoadError(f"{folder}/config.json says draft_vocab_size {size} but {path} has no draft_vocab tensor")
+    if ids.numel() != int(size):
+        raise ModelLoadError(f"{path}: draft_vocab has {ids.numel()} ids, config.json says draft_vocab_size {size}")
+    return check_draft_vocab(ids, vocab_size, f"{path} draft_vocab")
+
+
+#: rows x columns of the LM head kept as a target's fingerprint
+_FP_ROWS, _FP_COLS = 8, 8
+
+
+def head_fingerprint(weight: torch.Tensor) -> list[float]:  # (V, H) LM head -> 64 numbers
+    """A few LM-head values that tell targets (and tokenizers) apart; equal across fp32 / bf16 copies."""
+    V = weight.shape[0]
+    rows = weight.detach()[[V * j // _FP_ROWS for j in range(_FP_ROWS)], :_FP_COLS]
+    return [round(float(x), 6) for x in rows.float().flatten()]
+
+
+def target_fingerprint(target) -> list[float]:
+    return head_fingerprint(target.model.lm_head.weight)
+
+
+def check_fingerprint(what: str, fingerprint: list[float] | None, target, source: str = "config.json") -> None:
+    """IncompatibleModelsError when ``fingerprint`` (None = unknown, not checked) is not ``target``'s."""
+    if not fingerprint:
+        return
+    mine = torch.tensor(target_fingerprint(target))
+    theirs = torch.tensor([float(x) for x in fingerprint])
+    # bf16 rounding moves each value by < 0.4 %; another target's head differs by about 100 %
+    if theirs.shape != mine.shape or float((theirs - mine).abs().mean()) > 0.02 * float(mine.abs().mean()) + 1e-6:
+        raise IncompatibleModelsError(
+            f"{what} was trained for another target or tokenizer ({source}: its LM-head fingerprint differs from "
+            f"{getattr(target, 'name', '')!r}'s); use the target it was trained for, or train a drafter for this one")

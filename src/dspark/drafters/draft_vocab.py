@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dspark.errors import DSparkError
+from dspark.errors import BadFileError
 
 FORMAT = "dspark-draft-vocab"
 
@@ -35,16 +35,23 @@ def save_draft_vocab(path: str | Path, ids: list[int], vocab_size: int, coverage
 
 
 def load_draft_vocab(path: str | Path, vocab_size: int) -> list[int]:
+    """The token ids of a draft-vocabulary file; ``BadFileError`` (one line naming the file) if it is bad."""
+
+    def bad(what: str) -> BadFileError:
+        return BadFileError(f"--draft-vocab {path}: {what}")
+
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
-        raise DSparkError(f"--draft-vocab {path}: cannot read it as JSON ({e})") from None
+        raise bad(f"cannot read it as JSON ({e})") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise DSparkError(f"--draft-vocab {path}: not a {FORMAT} file (write one with `dspark data vocab`)")
+        raise bad(f"not a {FORMAT} file (write one with `dspark data vocab`)")
     if data.get("vocab_size") != vocab_size:
-        raise DSparkError(f"--draft-vocab {path} was built for a vocabulary of {data.get('vocab_size')} tokens, "
-                          f"the target has {vocab_size}")
-    ids = [int(t) for t in data["token_ids"]]
+        raise BadFileError(f"--draft-vocab {path} was built for a vocabulary of {data.get('vocab_size')} tokens, "
+                           f"the target has {vocab_size}")
+    ids = data.get("token_ids")
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise bad("'token_ids' must be a list of integer token ids")
     if not ids or len(set(ids)) != len(ids) or min(ids) < 0 or max(ids) >= vocab_size:
-        raise DSparkError(f"--draft-vocab {path}: token_ids must be distinct ids in [0, {vocab_size})")
+        raise bad(f"token_ids must be distinct ids in [0, {vocab_size})")
     return ids

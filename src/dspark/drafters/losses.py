@@ -3,11 +3,19 @@
 confidence BCE (eq. 11), Eagle3's soft cross-entropy, the tau estimate.
 
 Shapes: A = blocks, G = block size (gamma), M = supervised rows, V = vocabulary,
-H = hidden size.
+W = draft vocabulary (V without one), H = hidden size.
 
-V-sized tensors (logits, probabilities) are only built for supervised rows and in
-chunks of ``ROW_CHUNK`` rows under activation checkpointing, so memory stays
-O(ROW_CHUNK * V) however many anchors a sequence has.
+V-sized tensors (logits, probabilities) are only built for supervised rows. When all
+rows fit in ``ELEMENT_BUDGET`` elements (a draft vocabulary, the usual anchor counts)
+the terms are one tensor expression over all rows; otherwise chunks of at least
+``ROW_CHUNK`` rows under activation checkpointing keep memory bounded however many
+anchors a sequence has.
+
+Draft vocabulary (docs/training.md §Draft vocabulary): the draft distribution lives on
+the W tokens; the target's stays the full-vocabulary one, restricted to the W tokens
+without renormalising (``target_lse`` = its log-sum-exp over all V). Its mass outside
+is a constant of the L1 term (the draft puts 0 there), and CE skips rows whose label
+is outside (label index -1): the draft cannot propose it.
 """
 
 from __future__ import annotations
@@ -20,8 +28,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-#: rows of V-sized tensors materialised at once
+#: rows of V-sized tensors materialised at once when the rows do not fit ELEMENT_BUDGET
 ROW_CHUNK = 128
+#: logits elements (rows x vocabulary) computed in one expression without checkpointing
+ELEMENT_BUDGET = 2**22
 #: added to every weighted-mean denominator (DeepSpec)
 DEN_EPS = 1e-6
 
@@ -57,15 +67,22 @@ def weighted_mean(term: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:  #
 
 
 def row_terms(
-    draft_logits: torch.Tensor,  # (M, V) Markov-corrected draft logits
-    target_logits: torch.Tensor,  # (M, V) target logits (no grad needed)
-    labels: torch.Tensor,  # (M,) int64 ground-truth next tokens
-) -> tuple[torch.Tensor, torch.Tensor]:  # ce (M,), l1 (M,)
-    """Per-row CE, eq. (9), and L1 distance, eq. (10), at temperature 1."""
-    logp = torch.log_softmax(draft_logits.float(), dim=-1)  # (M, V)
-    ce = -logp.gather(-1, labels[:, None]).squeeze(-1)
-    target_probs = torch.softmax(target_logits.float(), dim=-1).detach()
-    l1 = (logp.exp() - target_probs).abs().sum(-1)
+    draft_logits: torch.Tensor,  # (M, W) Markov-corrected draft logits
+    target_logits: torch.Tensor,  # (M, W) target logits (no grad needed)
+    labels: torch.Tensor,  # (M,) int64 ground-truth next tokens as draft indices; -1 = outside
+    target_lse: torch.Tensor | None = None,  # (M,) the target's log-sum-exp over all V; None: W = V
+) -> tuple[torch.Tensor, torch.Tensor]:  # ce (M,) (0 where the label is outside), l1 (M,)
+    """Per-row CE, eq. (9), and L1 distance, eq. (10), at temperature 1, over the full vocabulary."""
+    logp = torch.log_softmax(draft_logits.float(), dim=-1)  # (M, W)
+    ce = -logp.gather(-1, labels.clamp(min=0)[:, None]).squeeze(-1)
+    if target_lse is None:
+        target_probs = torch.softmax(target_logits.float(), dim=-1).detach()
+        l1 = (logp.exp() - target_probs).abs().sum(-1)
+    else:  # p_t on the W tokens, unnormalised there; the draft's 0 outside adds the mass outside to L1
+        target_probs = torch.exp(target_logits.float() - target_lse.float()[:, None]).detach()
+        outside = (1.0 - target_probs.sum(-1)).clamp(min=0.0)
+        l1 = (logp.exp() - target_probs).abs().sum(-1) + outside
+        ce = ce * (labels >= 0)
     return ce, l1
 
 
@@ -74,22 +91,29 @@ def chunked_row_terms(
     target_logits_fn: Callable[[torch.Tensor], torch.Tensor],  # (m, H) -> (m, V)
     row_inputs: tuple[torch.Tensor | None, ...],  # each (M, ...) or None
     target_hidden: torch.Tensor,  # (M, H)
-    labels: torch.Tensor,  # (M,)
-    chunk: int = ROW_CHUNK,
+    labels: torch.Tensor,  # (M,) draft indices, -1 = outside the draft vocabulary
+    chunk: int | None = None,  # None: all rows at once if they fit ELEMENT_BUDGET, else ROW_CHUNK or more
+    target_lse: torch.Tensor | None = None,  # (M,) see row_terms
+    vocab: int | None = None,  # W, to size the chunks
 ) -> tuple[torch.Tensor, torch.Tensor]:  # ce (M,), l1 (M,)
-    """``row_terms`` over row chunks; with autograd on, each chunk is recomputed in backward."""
+    """``row_terms`` over all rows in one expression, or over row chunks recomputed in backward."""
 
-    def one(t_hidden, lab, *inputs):
+    def one(t_hidden, lab, lse, *inputs):
         with torch.no_grad():
             target_logits = target_logits_fn(t_hidden)
-        return row_terms(draft_logits_fn(*inputs), target_logits, lab)
+        return row_terms(draft_logits_fn(*inputs), target_logits, lab, lse)
 
     M = labels.shape[0]
+    if chunk is None:
+        chunk = max(ROW_CHUNK, ELEMENT_BUDGET // vocab) if vocab else ROW_CHUNK
+    if M <= chunk:  # one tensor expression, no recomputation
+        return one(target_hidden, labels, target_lse, *row_inputs)
     use_ckpt = torch.is_grad_enabled() and M > 0
     ces, l1s = [], []
     for s in range(0, M, chunk):
         sl = slice(s, s + chunk)
-        args = (target_hidden[sl], labels[sl], *[x[sl] if x is not None else None for x in row_inputs])
+        lse = target_lse[sl] if target_lse is not None else None
+        args = (target_hidden[sl], labels[sl], lse, *[x[sl] if x is not None else None for x in row_inputs])
         if use_ckpt:
             ce, l1 = checkpoint(one, *args, use_reentrant=False)
         else:

@@ -1,7 +1,9 @@
 """Command-line options shared by the decoding commands (generate, eval, calibrate, profile, serve, demo, bench).
 
-``--dtype`` / ``--compile`` say how the target is loaded; the drafter follows the
-target's dtype (its loaders cast to it), so one flag sets both. bfloat16 changes
+``--device`` / ``--dtype`` / ``--compile`` say how the target is loaded; the drafter
+follows the target's device and dtype (its loaders move it there), so one flag sets
+both. ``--device`` defaults to cuda when a GPU is available, else cpu; ``--dtype``
+to bfloat16 on cuda and float32 on cpu (``resolve_device``, ``default_dtype_name``). bfloat16 changes
 the target itself: greedy output is the bf16 target's, which can differ from the
 float32 target's after a while. Lossless still means "the same distribution as
 this target". ``--head-top-m`` says how a DSpark drafter drafts.
@@ -15,6 +17,30 @@ import argparse
 from dataclasses import dataclass
 
 DTYPE_NAMES = ("float32", "bfloat16")
+DEVICE_NAMES = ("auto", "cpu", "cuda")  # one GPU of many: CUDA_VISIBLE_DEVICES
+
+
+def resolve_device(name: str | None = "auto") -> str:
+    """``--device`` (or a training config's ``device``) as "cpu" or "cuda": auto (or None) = cuda when a GPU
+    is available, else cpu. Asking for cuda where torch sees no GPU is a user error (``DSparkError``)."""
+    import torch
+
+    from dspark.errors import DSparkError
+
+    name = name or "auto"
+    if name not in DEVICE_NAMES:
+        raise DSparkError(f"--device {name!r}: expected one of {', '.join(DEVICE_NAMES)}")
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise DSparkError(f"--device cuda: no CUDA GPU is available to torch {torch.__version__} here; "
+                          "use --device cpu")
+    return name
+
+
+def default_dtype_name(device: str) -> str:
+    """bfloat16 on a GPU (what its tensor cores run), float32 on the CPU (bitwise-comparable with HF)."""
+    return "bfloat16" if device.startswith("cuda") else "float32"
 
 
 def torch_dtype(name: str):
@@ -33,10 +59,22 @@ def _count(text: str) -> int:
     return value
 
 
+def add_device_option(p: argparse.ArgumentParser, default: str | None = "auto", help: str | None = None) -> None:
+    p.add_argument("--device", choices=DEVICE_NAMES, default=default,
+                   help=help or "where the target and the drafter run (default: auto = cuda when a GPU is "
+                   "available, else cpu)")
+
+
+def add_dtype_option(p: argparse.ArgumentParser, what: str = "target and drafter") -> None:
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default=None,
+                   help=f"weights and compute dtype of {what}; bfloat16 halves the memory read per step and is "
+                   "much faster on GPUs and on CPUs with bf16 matmul units (default: bfloat16 on cuda, float32 "
+                   "on cpu)")
+
+
 def add_target_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dtype", choices=DTYPE_NAMES, default="float32",
-                   help="weights and compute dtype of target and drafter; bfloat16 halves the memory read per "
-                   "step and is much faster on CPUs with bf16 matmul units (default: %(default)s)")
+    add_device_option(p)
+    add_dtype_option(p)
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the target's decoder layers (inductor; the first steps compile for "
                    "tens of seconds; docs/performance-variants.md measures what it gains)")
@@ -67,7 +105,7 @@ class DraftingOptions:
     ``draft_vocab``: a `dspark data vocab` file, DSpark/DFlash draft only those tokens (None = all V);
     ``hybrid``: draft the context's own continuation (prompt lookup, n-gram >= ``hybrid_min_ngram``) where
     the context repeats itself and the trained drafter elsewhere (``dspark.drafters.hybrid``);
-    ``dtype`` / ``compile``: how the target was loaded (the drafter follows the target's dtype).
+    ``dtype`` / ``compile``: how the target was loaded (the drafter follows the target's device and dtype).
     Every choice keeps decoding lossless; drafters that have no use for one ignore it.
     """
 
@@ -96,11 +134,20 @@ class DraftingOptions:
         return cls(**{**values, **overrides})
 
 
+def resolve_target_args(args: argparse.Namespace) -> tuple[str, str]:
+    """Fill in ``args.device`` and ``args.dtype`` (auto / unset -> this machine's defaults); returns both."""
+    args.device = resolve_device(getattr(args, "device", None))
+    args.dtype = getattr(args, "dtype", None) or default_dtype_name(args.device)
+    return args.device, args.dtype
+
+
 def load_target_from_args(args: argparse.Namespace, tokenizer: bool = True):
-    """``load_target(args.target)`` with ``--dtype`` and ``--compile`` applied."""
+    """``load_target(args.target)`` with ``--device``, ``--dtype`` and ``--compile`` applied (``args.device``
+    and ``args.dtype`` are resolved in place, so later readers see what was loaded)."""
     from dspark.target.model import load_target
 
-    target = load_target(args.target, dtype=torch_dtype(getattr(args, "dtype", "float32")), tokenizer=tokenizer,
+    device, dtype = resolve_target_args(args)
+    target = load_target(args.target, dtype=torch_dtype(dtype), tokenizer=tokenizer, device=device,
                          fuse=True)  # decoding only: q/k/v and gate/up as one matmul each
     if getattr(args, "compile", False):
         from dspark.modeling.compile import compile_decoder

@@ -102,6 +102,33 @@ def fit_sts(
     return STSResult(temperatures=temperatures, ece_before=ece_before, ece_after=ece_after, num_samples=n)
 
 
+def position_bins(
+    conf_logits: torch.Tensor,  # (N, K) raw confidence logits
+    proposed_mask: torch.Tensor,  # (N, K) bool: draft k was verified
+    num_accepted: torch.Tensor,  # (N,)
+    temperatures: Sequence[float] | None = None,  # (K,) STS; None = plain sigmoid
+    n_bins: int = 20,
+) -> list[list[dict[str, float]]]:
+    """Per draft position k, the per-step confidence c_k = sigmoid(logit_k / T_k) (eq. 7 + STS) binned
+    over the steps that reached k (draft k verified, drafts < k accepted): mean c, steps and accepted
+    drafts per non-empty equal-width bin. What ``dspark simulate`` draws confidences and acceptance from."""
+    K = conf_logits.shape[1]
+    temps = torch.ones(K) if temperatures is None else torch.tensor(list(temperatures), dtype=torch.float32)
+    conf = torch.sigmoid(conf_logits.float() / temps).double()  # (N, K)
+    out = []
+    for k in range(K):
+        reached = proposed_mask[:, k] & (num_accepted >= k)  # (N,)
+        c = conf[reached, k]
+        label = (num_accepted[reached] > k).double()
+        idx = (c * n_bins).long().clamp(0, n_bins - 1)
+        count = torch.bincount(idx, minlength=n_bins)
+        c_sum = torch.bincount(idx, c, minlength=n_bins)
+        acc = torch.bincount(idx, label, minlength=n_bins)
+        out.append([{"c": round(float(c_sum[b] / count[b]), 6), "count": int(count[b]), "accepted": int(acc[b])}
+                    for b in range(n_bins) if count[b] > 0])
+    return out
+
+
 # --------------------------------------------------------------------------- shards
 
 

@@ -12,8 +12,9 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-import matplotlib
+from dspark.extras import require
 
+matplotlib = require("matplotlib", "plots", "drawing figures")  # callers import this module when they draw
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 

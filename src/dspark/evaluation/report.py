@@ -198,8 +198,9 @@ def ablation_table(rows: Sequence[Mapping[str, Any]], x_name: str) -> list[str]:
 
 def plot_ablation(rows: Sequence[Mapping[str, Any]], path: str | Path, x_label: str, title: str) -> Path:
     """Paper Fig. 3 / 4: tau against depth or block size, one panel per domain, one line per series."""
-    import matplotlib
+    from dspark.extras import require
 
+    matplotlib = require("matplotlib", "plots", "drawing figures")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -42,6 +42,7 @@ import torch
 from dspark.data.eval_sets import DEFAULT_SEED, DOMAINS, EvalDataset, EvalSample
 from dspark.drafters.base import Drafter
 from dspark.errors import DSparkError
+from dspark.evaluation.calibration import position_bins
 from dspark.evaluation.metrics import confidence_report
 from dspark.evaluation.report import clean_json, write_results
 from dspark.generation.stats import AcceptanceStats
@@ -319,6 +320,7 @@ def benchmark_summary(
         if temperatures is not None:
             summary["confidence"]["sts"] = confidence_report(logits, mask, accepted, temperatures)
             summary["confidence"]["temperatures"] = list(temperatures)
+        summary["confidence"]["position_bins"] = position_bins(logits, mask, accepted, temperatures)
     return summary
 
 
@@ -472,6 +474,7 @@ def calibrate(
         "num_steps": int(data.logits.shape[0]), "n_bins": n_bins, "temperature": temperature,
         "max_new_tokens": max_new_tokens, "temperatures": sts.temperatures, "sts_path": str(sts_path),
         "before": before, "after": after,
+        "position_bins": position_bins(data.logits, data.proposed_mask, data.num_accepted, sts.temperatures),
     })
     (out / "calibration.json").write_text(json.dumps(report, indent=2, allow_nan=False) + "\n", encoding="utf-8")
     (out / "calibration.md").write_text(calibration_markdown(report, figure), encoding="utf-8")

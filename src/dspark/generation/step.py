@@ -67,23 +67,38 @@ def stop_ids_for(target: TargetModel, request: RequestState) -> set[int]:
 def prefill(
     target: TargetModel,
     requests: list[RequestState],
-    caches: list[KVCache],
+    caches: list[KVCache],  # caches[r] holds the first caches[r].length prompt tokens already fed
     capture_layers: list[int] | None,
-) -> None:
-    """Run the prompts (``tokens``), store context features, sample each first token."""
-    seq_lens = [len(r.tokens) for r in requests]
-    ids = torch.tensor([t for r in requests for t in r.tokens], dtype=torch.long)
-    out = target.forward(ids, seq_lens, caches, capture_layers, logits_for="last")
+    counts: list[int] | None = None,  # prompt tokens to feed now per request (None: the rest of each prompt)
+) -> list[bool]:
+    """Feed the prompts (``tokens``) to the target, whole or in pieces; sample a first token where one completes.
+
+    Context features grow with every piece. A prompt fed in pieces (chunked prefill: the serving engine
+    interleaves decode steps between them) leaves the same cache, features and first token as one piece
+    fed at once. Returns, per request, whether its prompt is now complete (and its first token sampled).
+    """
+    starts = [c.length for c in caches]
+    if counts is None:
+        counts = [len(r.tokens) - s for r, s in zip(requests, starts)]
+    ids = torch.tensor([t for r, s, n in zip(requests, starts, counts) for t in r.tokens[s : s + n]],
+                       dtype=torch.long)  # (N,)
+    out = target.forward(ids, counts, caches, capture_layers, logits_for="last")
+    complete = []
     offset = 0
     for r, req in enumerate(requests):
-        n = seq_lens[r]
+        n = counts[r]
         if out.features is not None:
-            req.context_features = out.features[offset : offset + n]
+            piece = out.features[offset : offset + n]  # (n, F)
+            req.context_features = piece if starts[r] == 0 else torch.cat([req.context_features, piece])
         offset += n
+        complete.append(starts[r] + n == len(req.tokens))
+        if not complete[-1]:
+            continue
         s = req.sampling
         first = int(sample_from_probs(logits_to_probs(out.logits[r], s.temperature, s.top_k, s.top_p), req.generator))
         req.tokens.append(first)
         _check_finished(req, [first], stop_ids_for(target, req))
+    return complete
 
 
 def _check_finished(req: RequestState, new_tokens: list[int], stop_ids: set[int]) -> None:
@@ -118,21 +133,23 @@ def speculative_step(
     elif policy is None:
         verify_len = block.num_tokens.clone()
     else:
-        verify_len = torch.minimum(ConfidenceAdapter.of(policy).verify_len(block), block.num_tokens)
+        verify_len = torch.minimum(ConfidenceAdapter.of(policy).verify_len(block).to(block.num_tokens.device),
+                                   block.num_tokens)
     vl = verify_len.tolist()
     K = max(vl, default=0)
 
-    # verify: [anchor, d_1..d_l] per request, flattened
+    # verify: [anchor, d_1..d_l] per request, flattened on the host (target.forward moves it to the device)
     seq_lens = [1 + n for n in vl]
+    drafted = block.tokens[:, :K].cpu() if K else None  # (R, K), one copy from a GPU drafter
     rows = []
     for r, req in enumerate(requests):
         rows.append(torch.tensor([req.anchor], dtype=torch.long))
         if vl[r]:
-            rows.append(block.tokens[r, : vl[r]])
+            rows.append(drafted[r, : vl[r]])
     out = target.forward(torch.cat(rows), seq_lens, caches, drafter.target_layer_ids, logits_for="all")
 
-    V = target.vocab_size
-    target_probs = torch.zeros(R, K + 1, V)  # (R, K+1, V)
+    V, dev = target.vocab_size, out.logits.device
+    target_probs = torch.zeros(R, K + 1, V, device=dev)  # (R, K+1, V)
     offset = 0
     for r, req in enumerate(requests):
         s = req.sampling
@@ -140,11 +157,11 @@ def speculative_step(
         target_probs[r, :n] = logits_to_probs(out.logits[offset : offset + n], s.temperature, s.top_k, s.top_p)
         offset += n
     if K:
-        draft_tokens = block.tokens[:, :K]
-        draft_probs = block.draft_probs[:, :K]
+        draft_tokens = block.tokens[:, :K].to(dev)  # the sampler runs where the target's probs are
+        draft_probs = block.draft_probs[:, :K].to(dev)
     else:
-        draft_tokens = torch.zeros(R, 0, dtype=torch.long)
-        draft_probs = torch.zeros(R, 0, V)
+        draft_tokens = torch.zeros(R, 0, dtype=torch.long, device=dev)
+        draft_probs = torch.zeros(R, 0, V, device=dev)
     result = rejection_sample(draft_tokens, verify_len, draft_probs, target_probs, [r.generator for r in requests])
     t2 = time.perf_counter()
 

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from dspark.modeling.kv_cache import KVCache
-from dspark.modeling.layers import DecoderLayer, RMSNorm
+from dspark.modeling.layers import DecoderLayer, RMSNorm, Rope
 from dspark.modeling.spec import DecoderSpec
 
 
@@ -61,11 +61,12 @@ class Decoder(nn.Module):
         device = input_ids.device
         positions = torch.cat([torch.arange(s, s + n, device=device) for s, n in zip(starts, seq_lens)])  # (N,)
         x = self.embed(input_ids)  # (N, H)
+        rope = Rope(positions)  # cos/sin once per forward, shared by the layers
         captured: dict[int, torch.Tensor] = {}
         want = set(capture_layers or ())
         for layer_idx, layer in enumerate(self.layers):
             attn = layer.self_attn
-            q, k, v = layer.pre_attention(x, positions)  # (N, Hq, D), (N, Hkv, D) x2
+            q, k, v = layer.pre_attention(x, rope.for_layer(attn, x.dtype))  # (N, Hq, D), (N, Hkv, D) x2
             outs, offset = [], 0
             for r, n in enumerate(seq_lens):
                 q_r = q[offset : offset + n].transpose(0, 1)  # (Hq, n, D)

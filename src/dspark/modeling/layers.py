@@ -10,6 +10,7 @@ query / KV heads, D = head dim, S = key length.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -53,17 +54,49 @@ def rope_inv_freq(rope: RopeSpec, head_dim: int) -> torch.Tensor:  # (D/2,)
     return inv
 
 
+def rope_tables(
+    positions: torch.Tensor,  # (N,) int64
+    inv_freq: torch.Tensor,  # (D/2,)
+) -> tuple[torch.Tensor, torch.Tensor]:  # cos, sin (N, 1, D) float32
+    """cos and sin of every position, as transformers computes them (float32)."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # (N, D/2)
+    emb = torch.cat([freqs, freqs], dim=-1)  # (N, D)
+    return emb.cos()[:, None, :], emb.sin()[:, None, :]
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # (N, heads, D), (N, 1, D) x2
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
 def apply_rope(
     x: torch.Tensor,  # (N, heads, D)
     positions: torch.Tensor,  # (N,) int64
     inv_freq: torch.Tensor,  # (D/2,)
 ) -> torch.Tensor:  # (N, heads, D)
-    freqs = positions.float()[:, None] * inv_freq[None, :]  # (N, D/2)
-    emb = torch.cat([freqs, freqs], dim=-1)  # (N, D)
-    cos, sin = emb.cos()[:, None, :].to(x.dtype), emb.sin()[:, None, :].to(x.dtype)
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+    return rotate(x, *rope_tables(positions, inv_freq))
+
+
+#: what the projections take for RoPE: the positions (N,), or their precomputed (cos, sin) from ``Rope``
+RopeInput = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+
+
+class Rope:
+    """The RoPE tables of one forward pass: cos/sin computed once per distinct RoPE setting and dtype,
+    then shared by every layer (instead of recomputed in each layer's q and k projections)."""
+
+    def __init__(self, positions: torch.Tensor) -> None:  # (N,) int64
+        self.positions = positions
+        self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def for_layer(self, attn: "Attention", dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:  # (N, 1, D) x2
+        key = (attn.rope_key, dtype)
+        if key not in self._tables:
+            cos, sin = rope_tables(self.positions, attn.inv_freq)
+            self._tables[key] = (cos.to(dtype), sin.to(dtype))
+        return self._tables[key]
 
 
 _ACT = {
@@ -109,17 +142,19 @@ class Attention(nn.Module):
         self.scale = spec.scale
         self.softcap = spec.attn_softcap
         self.window = spec.window_for(layer_idx)
-        self.register_buffer("inv_freq", rope_inv_freq(spec.rope_for(layer_idx), d), persistent=False)
+        rope = spec.rope_for(layer_idx)
+        self.register_buffer("inv_freq", rope_inv_freq(rope, d), persistent=False)
+        self.rope_key = (tuple(dataclasses.astuple(rope)), d)  # layers with equal keys share RoPE tables
         self.qkv_proj: nn.Linear | None = None  # set by fuse_projections (inference)
 
-    def project_q(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # (N, Hq, D)
+    def project_q(self, x: torch.Tensor, positions: RopeInput) -> torch.Tensor:  # (N, Hq, D)
         return self._finish_q(self.q_proj(x), positions)
 
-    def project_kv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def project_kv(self, x: torch.Tensor, positions: RopeInput) -> tuple[torch.Tensor, torch.Tensor]:
         return self._finish_kv(self.k_proj(x), self.v_proj(x), positions)
 
     def project_qkv(
-        self, x: torch.Tensor, positions: torch.Tensor  # (N, H), (N,)
+        self, x: torch.Tensor, positions: RopeInput  # (N, H), (N,) or Rope.for_layer's (cos, sin)
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # q (N, Hq, D), k and v (N, Hkv, D)
         if self.qkv_proj is None:
             return (self.project_q(x, positions), *self.project_kv(x, positions))
@@ -127,20 +162,23 @@ class Attention(nn.Module):
         q, k, v = self.qkv_proj(x).split([self.num_heads * self.head_dim, kv, kv], dim=-1)
         return (self._finish_q(q, positions), *self._finish_kv(k, v, positions))
 
-    def _finish_q(self, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # (N, Hq*D) -> (N, Hq, D)
+    def _cos_sin(self, positions: RopeInput) -> tuple[torch.Tensor, torch.Tensor]:  # (N, 1, D) x2
+        return rope_tables(positions, self.inv_freq) if isinstance(positions, torch.Tensor) else positions
+
+    def _finish_q(self, q: torch.Tensor, positions: RopeInput) -> torch.Tensor:  # (N, Hq*D) -> (N, Hq, D)
         q = q.reshape(q.shape[0], self.num_heads, self.head_dim)
         if self.q_norm is not None:
             q = self.q_norm(q)
-        return apply_rope(q, positions, self.inv_freq)
+        return rotate(q, *self._cos_sin(positions))
 
     def _finish_kv(
-        self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor  # (N, Hkv*D) x2
+        self, k: torch.Tensor, v: torch.Tensor, positions: RopeInput  # (N, Hkv*D) x2
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (N, Hkv, D) x2
         k = k.reshape(k.shape[0], self.num_kv_heads, self.head_dim)
         v = v.reshape(v.shape[0], self.num_kv_heads, self.head_dim)
         if self.k_norm is not None:
             k = self.k_norm(k)
-        return apply_rope(k, positions, self.inv_freq), v
+        return rotate(k, *self._cos_sin(positions)), v
 
     def attend(
         self,
@@ -151,11 +189,12 @@ class Attention(nn.Module):
     ) -> torch.Tensor:  # (T, Hq*D)
         groups = self.num_heads // self.num_kv_heads
         T, S = q.shape[1], k.shape[1]
-        if self.softcap is None and T > 16:  # long query blocks (prefill): fused kernel
+        # SDPA (fused kernels) on a GPU always, on the CPU for long query blocks (prefill) only
+        if self.softcap is None and (q.is_cuda or T > 16):
             out = F.scaled_dot_product_attention(
                 q[None], k[None], v[None], attn_mask=mask, scale=self.scale, enable_gqa=groups > 1
             )[0]  # (Hq, T, D)
-        else:  # decode/verify blocks: grouped matmuls, no K/V repeat (faster than SDPA on CPU here)
+        else:  # CPU decode/verify blocks: grouped matmuls, no K/V repeat (faster than SDPA on CPU here)
             qg = q.reshape(self.num_kv_heads, groups * T, self.head_dim)  # (Hkv, g*T, D)
             scores = (qg @ k.transpose(-1, -2)) * self.scale  # (Hkv, g*T, S)
             if self.softcap is not None:  # Gemma2 soft-capping
@@ -182,7 +221,7 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = RMSNorm(spec.hidden_size, eps, off)
 
     def pre_attention(
-        self, x: torch.Tensor, positions: torch.Tensor  # (N, H), (N,)
+        self, x: torch.Tensor, positions: RopeInput  # (N, H), (N,) or (cos, sin) (N, 1, D) x2
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # q (N, Hq, D), k and v (N, Hkv, D)
         """Norm, projections and RoPE: the dense part before attention (what ``--compile`` compiles)."""
         return self.self_attn.project_qkv(self.input_layernorm(x), positions)

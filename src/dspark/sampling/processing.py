@@ -86,7 +86,9 @@ def sample_from_probs(
     squeeze = probs.dim() == 1
     rows = probs.reshape(-1, probs.shape[-1]).float()
     cdf = rows.cumsum(-1)  # (N, V)
-    u = torch.rand(rows.shape[0], 1, generator=generator) * cdf[:, -1:]
+    # uniforms come from the generator's device (a request's generator is on the CPU), then join the probs
+    u = torch.rand(rows.shape[0], 1, generator=generator, device=generator.device if generator is not None else None)
+    u = u.to(rows.device) * cdf[:, -1:]  # (N, 1)
     idx = torch.searchsorted(cdf, u, right=True).clamp_max(rows.shape[-1] - 1).squeeze(-1)
     # searchsorted may land on a zero-probability slot after float round-off: step back
     bad = rows.gather(-1, idx[:, None]).squeeze(-1) <= 0

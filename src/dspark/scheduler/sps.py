@@ -37,6 +37,8 @@ from pathlib import Path
 
 import torch
 
+from dspark.errors import BadFileError
+
 #: max_batch_tokens of the flat table: no capacity limit in practice
 UNLIMITED_BATCH_TOKENS = 2**31 - 1
 
@@ -136,7 +138,7 @@ class SPSTable:
         if _ADDITIVE_KEYS & data.keys():
             raise ValueError(
                 "this is SGLang's additive cost-table format (bias_seconds/bs_probes/...), which "
-                "is not supported; profile a floor-step table with `dspark profile-sps`"
+                "is not supported; profile a floor-step table with `dspark profile`"
             )
         missing = [k for k in _JSON_KEYS if k not in data]
         unknown = sorted(set(data) - set(_JSON_KEYS))
@@ -163,13 +165,14 @@ class SPSTable:
 
     @classmethod
     def load(cls, path: str | Path) -> SPSTable:
+        """Read and validate ``path``; raises ``BadFileError`` (one line naming the file) if it is bad."""
         path = Path(path)
         if not path.is_file():
-            raise ValueError(f"SPS table file {path} does not exist; profile one with `dspark profile-sps`")
+            raise BadFileError(f"SPS table file {path} does not exist; profile one with `dspark profile`")
         try:
             return cls.from_json(path.read_text(encoding="utf-8"))
-        except ValueError as e:
-            raise ValueError(f"{path}: {e}") from e
+        except (OSError, ValueError) as e:  # ValueError: malformed table, or not UTF-8
+            raise BadFileError(f"SPS table file {path}: {e}") from None
 
 
 def profile_sps(

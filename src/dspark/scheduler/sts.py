@@ -25,6 +25,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from dspark.errors import BadFileError
+
 
 @dataclass
 class STSResult:
@@ -65,23 +67,28 @@ def save_sts_json(path: str | Path, result: STSResult, dataset: str) -> None:
 
 
 def load_sts_json(path: str | Path, block_size: int) -> list[float]:
-    """Read and validate an STS file; returns the K = ``block_size`` temperatures."""
+    """Read and validate an STS file; returns the K = ``block_size`` temperatures.
+
+    Raises ``BadFileError`` (one line naming the file) for a missing, unreadable or malformed file.
+    """
     path = Path(path)
+
+    def bad(what: str) -> BadFileError:
+        return BadFileError(f"STS file {path} {what}")
+
+    if not path.is_file():
+        raise bad("does not exist; fit one first (`dspark calibrate`)")
     try:
         payload = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ValueError(f"STS file {path} does not exist; fit one first (STS calibration)") from None
-    except json.JSONDecodeError as err:
-        raise ValueError(f"STS file {path} is not valid JSON: {err}") from None
+    except (OSError, ValueError) as err:  # ValueError: not JSON, or not UTF-8
+        raise bad(f"is not valid JSON ({err})") from None
     if not isinstance(payload, dict) or not isinstance(payload.get("temperatures"), list):
-        raise ValueError(f"STS file {path} must be a JSON object with a 'temperatures' list")
+        raise bad("must be a JSON object with a 'temperatures' list")
     temps = payload["temperatures"]
     if len(temps) != block_size:
-        raise ValueError(
-            f"STS file {path} has {len(temps)} temperatures but the drafter's block size is {block_size}; "
-            "refit STS for this drafter"
-        )
+        raise bad(f"has {len(temps)} temperatures but the drafter's block size is {block_size}; "
+                  "refit STS for this drafter")
     ok = all(isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t > 0 for t in temps)
     if not ok:
-        raise ValueError(f"STS file {path}: temperatures must all be finite and > 0, got {temps}")
+        raise bad(f"has temperatures that are not all finite and > 0: {temps}")
     return [float(t) for t in temps]

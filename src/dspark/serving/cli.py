@@ -49,8 +49,12 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-batch", type=int, default=8, help="most requests decoded together (default: %(default)s)")
     p.add_argument("--max-queue", type=int, default=64,
                    help="most requests waiting for a slot; beyond it the server answers 429 (default: %(default)s)")
-    p.add_argument("--default-max-tokens", type=int, default=256,
-                   help="max_tokens when a request gives none (default: %(default)s)")
+    p.add_argument("--default-max-tokens", type=int, default=None, metavar="N",
+                   help="cap on max_tokens when a request gives none (default: none, the room left in the context)")
+    p.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
+                   help="sampling defaults (temperature, top_p, top_k) for fields a request omits: auto = the "
+                   "target folder's generation_config.json, vllm = OpenAI's (1, 1, off), or a folder holding "
+                   "a generation_config.json (default: %(default)s)")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: --target)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s; 0.0.0.0 to expose)")
     p.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
@@ -67,6 +71,12 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
                    "(default: %(default)s)")
     p.add_argument("--keep-alive-timeout", type=float, default=5.0, metavar="S",
                    help="close idle keep-alive connections after S seconds (default: %(default)s)")
+    p.add_argument("--header-timeout", type=float, default=10.0, metavar="S",
+                   help="close a connection whose request head has not arrived S seconds after it opened or "
+                   "after its last response (slowloris) (default: %(default)s)")
+    p.add_argument("--prefill-chunk", type=int, default=256, metavar="N",
+                   help="prompt tokens prefilled between two decode steps, so a long prompt delays the other "
+                   "streams by one chunk at most; 0 prefills whole prompts (default: %(default)s)")
     p.set_defaults(func=_serve)
 
 
@@ -86,14 +96,21 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from dspark.drafters.registry import load_drafter
-    from dspark.errors import ModelLoadError
+    from dspark.errors import DSparkError, ModelLoadError
     from dspark.scheduler.sts import load_sts_json
     from dspark.scheduler.profile import load_or_profile
     from dspark.serving.engine import Engine, EngineConfig
     from dspark.scheduler.adapter import make_policy, parse_policy
     from dspark.serving.limits import uvicorn_limits
+    from dspark.serving.params import SamplingDefaults
     from dspark.serving.server import ServerConfig, create_app
 
+    if args.prefill_chunk < 0 or args.header_timeout <= 0:
+        raise DSparkError("--prefill-chunk must be >= 0 and --header-timeout > 0")
+    if args.default_max_tokens is not None and args.default_max_tokens < 1:
+        raise DSparkError(f"--default-max-tokens must be >= 1, got {args.default_max_tokens}")
+    if args.generation_config not in ("auto", "vllm") and not os.path.isdir(args.generation_config):
+        raise DSparkError(f"--generation-config {args.generation_config!r} is not auto, vllm or a folder")
     spec = parse_policy(args.policy)
     set_threads(args.threads)
     target = load_target_from_args(args)
@@ -106,14 +123,18 @@ def _serve(args: argparse.Namespace) -> int:
                               drafter.target_layer_ids)
     temps = load_sts_json(args.sts, drafter.block_size) if args.sts else None
     policy = make_policy(args.policy, sps, temps, args.fallback_confidence)
-    engine = Engine(target, drafter, policy, EngineConfig(max_batch=args.max_batch, max_queue=args.max_queue))
+    engine = Engine(target, drafter, policy, EngineConfig(max_batch=args.max_batch, max_queue=args.max_queue,
+                                                          prefill_chunk=args.prefill_chunk or None))
     api_key = args.api_key or os.environ.get("DSPARK_API_KEY") or None
+    source = {"auto": target.path, "vllm": None}.get(args.generation_config, args.generation_config)
     config = ServerConfig(model_name=args.served_model_name or args.target, api_key=api_key,
                           default_max_tokens=args.default_max_tokens, max_body_bytes=args.max_body_bytes,
-                          max_prompt_tokens=args.max_prompt_tokens)
+                          max_prompt_tokens=args.max_prompt_tokens,
+                          sampling_defaults=SamplingDefaults.from_folder(source))
     app = create_app(engine, target.tokenizer, config)
     print(f"[dspark] serving {config.model_name} with drafter {args.drafter}, policy {policy.name} on "
           f"http://{args.host}:{args.port}/v1{' (API key required)' if api_key else ''}", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                **uvicorn_limits(args.max_connections, args.shutdown_timeout, args.keep_alive_timeout))
+                **uvicorn_limits(args.max_connections, args.shutdown_timeout, args.keep_alive_timeout,
+                                 args.header_timeout))
     return 0

@@ -4,12 +4,18 @@ The engine works on token ids only (no tokenizer, no HTTP). Requests join a
 bounded waiting queue with ``submit``; between two steps the engine thread
 
 1. drops cancelled requests (a client that went away frees its slot here),
-2. admits waiting requests up to ``max_batch`` active ones and prefills them
-   (``dspark.generation.step.prefill``: prompt through the target, first token),
-3. runs one ``speculative_step`` (draft -> policy -> flattened verify ->
+2. admits waiting requests up to ``max_batch`` active ones,
+3. feeds at most ``prefill_chunk`` prompt tokens of the admitted, not yet
+   prefilled requests to the target (``dspark.generation.step.prefill``; a
+   request whose prompt is complete gets its first token and joins the batch),
+4. runs one ``speculative_step`` (draft -> policy -> flattened verify ->
    commit; per-request KV caches roll back inside it) over all active requests,
-4. streams each request's committed tokens to its handle and retires the
+5. streams each request's committed tokens to its handle and retires the
    finished ones.
+
+Chunked prefill (step 3) keeps a long prompt from stalling the other streams: between two of their
+steps the target sees at most one chunk of prompt. Pieces leave the same cache, context features and
+first token as a whole prompt, so outputs do not depend on the chunk size.
 
 Every request has its own ``torch.Generator`` seeded from its ``seed``. With a
 drafter and policy whose verify lengths depend only on the request itself
@@ -66,6 +72,7 @@ class EngineConfig:
     max_batch: int = 8  # most requests in the active batch
     max_queue: int = 64  # most requests waiting for a slot; beyond it submit() raises QueueFullError
     draft_cap: int | None = None  # most draft tokens per request per step (None: the drafter's block size)
+    prefill_chunk: int | None = 256  # most prompt tokens prefilled between two decode steps (None: whole prompts)
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
@@ -74,6 +81,8 @@ class EngineConfig:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
         if self.draft_cap is not None and self.draft_cap < 0:
             raise ValueError(f"draft_cap must be >= 0 or None, got {self.draft_cap}")
+        if self.prefill_chunk is not None and self.prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1 or None, got {self.prefill_chunk}")
 
 
 @dataclass(frozen=True)
@@ -224,7 +233,8 @@ class Engine:
         self.config = config or EngineConfig()
         self._cv = threading.Condition()
         self._waiting: deque[RequestHandle] = deque()
-        self._active: list[_Active] = []
+        self._active: list[_Active] = []  # decoding
+        self._prefilling: list[_Active] = []  # admitted, prompt partly fed (engine thread only), oldest first
         self._num_active = 0  # slots held: active + admitted-but-not-yet-prefilled (read under the lock)
         self._cancel_pending = False
         self._paused = False
@@ -251,8 +261,9 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout)
         with self._cv:
-            leftovers = [a.handle for a in self._active] + list(self._waiting)
+            leftovers = [a.handle for a in self._active + self._prefilling] + list(self._waiting)
             self._active.clear()
+            self._prefilling.clear()
             self._waiting.clear()
             self._num_active = 0
         for handle in leftovers:
@@ -336,7 +347,7 @@ class Engine:
     def _has_work_locked(self) -> bool:
         if self._closing or self._cancel_pending:
             return True
-        return not self._paused and bool(self._waiting or self._active)
+        return not self._paused and bool(self._waiting or self._active or self._prefilling)
 
     def _run(self) -> None:
         while True:
@@ -355,11 +366,13 @@ class Engine:
             try:
                 self._retire()
                 if admitted:
-                    self._prefill(admitted)
+                    self._admit(admitted)
+                if self._prefilling and not paused:
+                    self._prefill_chunk()
                 if self._active and not paused:
                     self._step()
             except Exception as err:  # noqa: BLE001 - a bug must fail requests, not hang them
-                victims, self._active = self._active, []
+                victims, self._active, self._prefilling = self._active + self._prefilling, [], []
                 self._fail(victims, err)
                 self._release_slots(len(victims))
 
@@ -374,39 +387,51 @@ class Engine:
         for e in entries:
             self._finish(e.handle, "error", f"{type(err).__name__}: {err}")
 
-    def _prefill(self, admitted: list[RequestHandle]) -> None:
+    def _admit(self, admitted: list[RequestHandle]) -> None:
+        """Give each live admitted request its state and KV cache; prefill_chunk feeds their prompts."""
         live = [h for h in admitted if h.cancel_reason is None]
         for h in admitted:
             if h.cancel_reason is not None:
                 self._finish(h, h.cancel_reason)
         self._release_slots(len(admitted) - len(live))
-        if not live:
-            return
         block = max(self.drafter.block_size, 0)
-        entries = []
         for h in live:
             s = h.sampling
             state = RequestState(h.request_id, len(h.prompt_ids), list(h.prompt_ids), s, s.make_generator())
             gen_room = min(s.max_new_tokens, _INITIAL_GEN_CAPACITY) + block + 2
             cache = self.target.new_cache(min(len(h.prompt_ids) + gen_room, self.target.max_context))
             h.stats = AcceptanceStats(block_size=max(block, 1))
-            entries.append(_Active(h, state, cache))
+            self._prefilling.append(_Active(h, state, cache))
+
+    def _prefill_chunk(self) -> None:
+        """Feed at most ``prefill_chunk`` prompt tokens, oldest request first; completed prompts join the batch."""
+        budget = self.config.prefill_chunk or sum(len(e.state.tokens) for e in self._prefilling)
+        batch, counts = [], []
+        for e in self._prefilling:
+            if budget <= 0:
+                break
+            counts.append(min(len(e.state.tokens) - e.cache.length, budget))
+            batch.append(e)
+            budget -= counts[-1]
         t0 = time.perf_counter()
         try:
-            prefill(self.target, [e.state for e in entries], [e.cache for e in entries],
-                    self.drafter.target_layer_ids)
+            complete = prefill(self.target, [e.state for e in batch], [e.cache for e in batch],
+                               self.drafter.target_layer_ids, counts)
         except Exception as err:  # noqa: BLE001 - one bad batch must not kill the server
-            self._fail(entries, err)
-            self._release_slots(len(entries))
+            self._prefilling = self._prefilling[len(batch):]
+            self._fail(batch, err)
+            self._release_slots(len(batch))
             return
         elapsed = time.perf_counter() - t0
-        self._active.extend(entries)
+        done = [e for e, c in zip(batch, complete) if c]
+        self._prefilling = [e for e, c in zip(batch, complete) if not c] + self._prefilling[len(batch):]
+        self._active.extend(done)
         with self._cv:
             self._stats.prefill_seconds += elapsed
-            self._stats.prompt_tokens += sum(len(h.prompt_ids) for h in live)
-            self._stats.generation_tokens += len(entries)
+            self._stats.prompt_tokens += sum(counts)
+            self._stats.generation_tokens += len(done)
             self._stats.batch_size = len(self._active)
-        for e in entries:
+        for e in done:
             e.handle._emit(StreamEvent([e.state.tokens[-1]], e.state.finish_reason if e.state.finished else None))
             if e.state.finished:
                 self._count(e.state.finish_reason)
@@ -451,19 +476,17 @@ class Engine:
         self._retire()
 
     def _retire(self) -> None:
-        """Drop finished requests (their final event is out) and cancelled ones from the active batch."""
-        keep = []
-        for a in self._active:
-            if a.state.finished:
-                continue
-            if a.handle.cancel_reason is not None:
+        """Drop finished requests (their final event is out) and cancelled ones from the batch and the prefill list."""
+        before = len(self._active) + len(self._prefilling)
+        self._active, self._prefilling = self._live(self._active), self._live(self._prefilling)
+        if len(self._active) + len(self._prefilling) < before:
+            self._release_slots(before - len(self._active) - len(self._prefilling))
+
+    def _live(self, entries: list[_Active]) -> list[_Active]:
+        for a in entries:
+            if a.handle.cancel_reason is not None and not a.state.finished:
                 self._finish(a.handle, a.handle.cancel_reason)
-                continue
-            keep.append(a)
-        removed = len(self._active) - len(keep)
-        self._active = keep
-        if removed:
-            self._release_slots(removed)
+        return [a for a in entries if a.handle.cancel_reason is None and not a.state.finished]
 
     def _finish(self, handle: RequestHandle, reason: str, error: str | None = None) -> None:
         handle._emit(StreamEvent([], reason, error))

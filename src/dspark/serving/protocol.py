@@ -8,7 +8,7 @@ echoed back. Strings a tokenizer cannot take (lone surrogates) are refused with 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, ClassVar
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
@@ -56,57 +56,145 @@ def check_text(value: Any, param: str) -> None:
             check_text(item, f"{param}.{key}")
 
 
+# =============================================================== fields this server refuses
+ANY = "any value"  # the field changes nothing on this server
+
+# The request fields of vLLM's OpenAI server (vllm/entrypoints/openai/protocol.py: CompletionRequest and
+# ChatCompletionRequest, i.e. OpenAI's fields, vLLM's sampling params and its extra params) that this server
+# does not implement, each with the values that leave a request unchanged. A request may carry one only with
+# such a value; any other value gets a 400 naming the field. ANY: the field has no effect here whatever its
+# value (metadata; a cache salt on a server without a prefix cache; parallel_tool_calls without tools).
+_SHARED = {
+    # OpenAI
+    "best_of": (None, 1),
+    "frequency_penalty": (None, 0),
+    "presence_penalty": (None, 0),
+    "logit_bias": (None, {}),
+    "response_format": (None, {"type": "text"}),
+    "user": ANY,
+    # vLLM sampling params
+    "use_beam_search": (None, False),
+    "min_p": (None, 0),
+    "repetition_penalty": (None, 1),
+    "length_penalty": (None, 1),
+    "ignore_eos": (None, False),
+    "min_tokens": (None, 0),
+    "spaces_between_special_tokens": (None, True),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "prompt_logprobs": (None,),
+    # vLLM extra params
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "guided_decoding_backend": (None,),
+    "guided_whitespace_pattern": (None,),
+    "structured_outputs": (None,),
+    "priority": (None, 0),
+    "logits_processors": (None, []),
+    "return_tokens_as_token_ids": (None, False),
+    "cache_salt": ANY,
+    "kv_transfer_params": (None, {}),
+    "vllm_xargs": (None, {}),
+}
+COMPLETION_UNSUPPORTED = {
+    **_SHARED,
+    "echo": (None, False),
+    "logprobs": (None,),
+    "suffix": (None, ""),
+    "prompt_embeds": (None,),
+}
+CHAT_UNSUPPORTED = {
+    **_SHARED,
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),
+    "parallel_tool_calls": ANY,
+    "reasoning_effort": (None,),
+    "include_reasoning": (None, True),
+    "echo": (None, False),
+    "documents": (None,),
+    "chat_template": (None,),
+    "mm_processor_kwargs": (None, {}),
+    "structural_tag": (None,),
+    # OpenAI chat fields vLLM's request does not list
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+    "web_search_options": (None,),
+    "store": (None, False),
+    "metadata": ANY,
+    "service_tier": ANY,
+}
+
+
 # =============================================================== request bodies
 class SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """The fields both endpoints implement. Any other field goes through ``refuse_unsupported``."""
+
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     max_tokens: int | None = None
-    temperature: float | None = None
+    temperature: float | None = None  # None: generation_config.json's, else 1
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: int | None = None  # vLLM extension; -1 or 0 = off
     seed: int | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    n: int | None = None
+    stop_token_ids: list[int] | None = None  # vLLM extension
+    n: int | None = None  # 1 only
     stream: bool = False
-    stream_options: dict[str, Any] | None = None
-    return_token_ids: bool = False
-    # OpenAI fields this server refuses when set to anything but their neutral value
-    logprobs: Any = None
-    top_logprobs: Any = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, Any] | None = None
+    stream_options: dict[str, Any] | None = None  # include_usage, continuous_usage_stats
+    return_token_ids: bool = False  # vLLM extension: the generated ids in each choice
+    include_stop_str_in_output: bool = False  # vLLM extension
+    skip_special_tokens: bool = True  # vLLM extension
+    truncate_prompt_tokens: int | None = None  # vLLM extension: keep the last N prompt tokens
+    request_id: str | None = None  # vLLM extension: the answer's id
+
+    UNSUPPORTED: ClassVar[dict[str, Any]] = {}  # field -> values that change nothing (or ANY)
 
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    echo: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
+    add_special_tokens: bool = True  # vLLM extension: BOS etc. added to a text prompt
+
+    UNSUPPORTED: ClassVar[dict[str, Any]] = COMPLETION_UNSUPPORTED
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[dict[str, Any]]
     max_completion_tokens: int | None = None
-    tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    # vLLM extensions: how the chat template is applied
+    chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false} for Qwen3
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False  # BOS etc. on top of what the template writes
+
+    UNSUPPORTED: ClassVar[dict[str, Any]] = CHAT_UNSUPPORTED
+
+
+STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")
+
+def _neutral(value: Any, allowed: Any) -> bool:
+    if allowed is ANY:
+        return True
+    return any(value == a and isinstance(value, bool) == isinstance(a, bool) for a in allowed)
 
 
 def refuse_unsupported(req: SamplingFields) -> None:
-    unsupported = {
-        "logprobs": req.logprobs not in (None, False, 0),
-        "top_logprobs": req.top_logprobs not in (None, 0),
-        "presence_penalty": req.presence_penalty not in (None, 0, 0.0),
-        "frequency_penalty": req.frequency_penalty not in (None, 0, 0.0),
-        "logit_bias": bool(req.logit_bias),
-        "echo": bool(getattr(req, "echo", False)),
-        "best_of": getattr(req, "best_of", None) not in (None, 1),
-        "suffix": bool(getattr(req, "suffix", None)),
-        "tools": bool(getattr(req, "tools", None)),
-        "response_format": (getattr(req, "response_format", None) or {}).get("type", "text") != "text",
-    }
-    for param, bad in unsupported.items():
-        if bad:
-            raise APIError(400, f"'{param}' is not supported by this server; remove it from the request", param=param)
+    """400 naming the first field this server would otherwise ignore: a known one set to a value that
+    changes the output, or one neither vLLM nor OpenAI defines (OpenAI's "unrecognized request argument")."""
+    for name, value in (req.model_extra or {}).items():
+        allowed = type(req).UNSUPPORTED.get(name)
+        if allowed is None:
+            raise APIError(400, f"unrecognized request argument '{name}'; remove it from the request", param=name)
+        if not _neutral(value, allowed):
+            raise APIError(400, f"'{name}' is not supported by this server; remove it from the request", param=name)
+    for key in req.stream_options or {}:
+        if key not in STREAM_OPTIONS:
+            raise APIError(400, f"stream_options.{key} is not supported (only {', '.join(STREAM_OPTIONS)})",
+                           param=f"stream_options.{key}")

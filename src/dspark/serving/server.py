@@ -7,21 +7,31 @@ text). ``/v1/*`` needs ``Authorization: Bearer <key>`` when an API key is set;
 errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``.
 
 Request fields: ``model`` (optional; must name the served model), ``prompt`` /
-``messages``, ``max_tokens`` (chat also ``max_completion_tokens``),
-``temperature`` (0 = greedy, the target's exact greedy output), ``top_p``,
-``top_k`` (extension), ``seed``, ``stop`` (strings, matched on the decoded text:
-best effort), ``stop_token_ids`` (extension), ``n`` (1 only),
-``stream_options.include_usage``, ``return_token_ids`` (extension: the
-generated ids in each choice). Unknown fields are ignored; OpenAI features
-this server does not implement (logprobs, penalties, logit bias, tools, ...)
-are refused with 400 rather than silently dropped.
+``messages``, ``max_tokens`` (chat also ``max_completion_tokens``; default: the room
+left in the context, capped by ``--default-max-tokens`` when given), ``temperature``
+(0 = greedy, the target's exact greedy output), ``top_p``, ``top_k``, ``seed``,
+``stop`` (strings, matched on the decoded text), ``n`` (1 only),
+``stream_options.include_usage`` / ``continuous_usage_stats``, and vLLM's extensions
+``stop_token_ids``, ``include_stop_str_in_output``, ``skip_special_tokens``,
+``truncate_prompt_tokens``, ``add_special_tokens``, ``request_id``,
+``return_token_ids`` (the generated ids in each choice) and, for chat,
+``chat_template_kwargs`` (e.g. ``{"enable_thinking": false}``),
+``add_generation_prompt``, ``continue_final_message``. Sampling fields a request
+omits take the model folder's generation_config.json values (``params``). Every
+other field of vLLM's or OpenAI's request (logprobs, penalties, min_p, ignore_eos,
+guided decoding, tools, ...) is refused with a 400 naming it unless it has its
+neutral value, and a field neither defines gets 400 as unrecognised: nothing is
+silently ignored (``protocol``). Usage counts the tokens of the returned text: a
+stop string ends it even when a speculative step committed tokens past it.
 
-Tokenisation lives here, in a worker thread (a huge prompt never blocks the
+Tokenisation (``prompts``) runs in a worker thread (a huge prompt never blocks the
 event loop); the engine sees token ids only. No single client can stall the
 others: bodies over ``max_body_bytes`` get 413 before they are parsed, prompts
 over ``max_prompt_tokens`` get 400, text that is not valid Unicode (a lone
 UTF-16 surrogate) gets 400, and anything unexpected a JSON 500 in OpenAI's
-shape, never a text/plain traceback.
+shape, never a text/plain traceback. Connections whose request head does not
+arrive within the header timeout are closed (``limits.GuardedH11``), and the
+engine prefills long prompts in chunks between decode steps.
 """
 
 from __future__ import annotations
@@ -39,14 +49,16 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dspark.errors import PromptError
 from dspark.sampling.processing import SamplingParams
 from dspark.serving.engine import Engine, EngineClosedError, QueueFullError, RequestHandle
 from dspark.serving.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit, uvicorn_limits
-from dspark.serving.metrics import CONTENT_TYPE, render_prometheus
+from dspark.serving.metrics import CONTENT_TYPE, ServerMetrics
+from dspark.serving.params import ContextBudget, SamplingDefaults, sampling_params, stop_strings, truncate_prompt
+from dspark.serving.prompts import encode_messages, encode_prompt
 from dspark.serving.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -57,15 +69,13 @@ from dspark.serving.protocol import (
 )
 from dspark.serving.text import TextStream
 
-MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
-MAX_STOP_STRINGS = 16
-
 
 @dataclass
 class ServerConfig:
     model_name: str
     api_key: str | None = None
-    default_max_tokens: int = 256  # when a request gives no max_tokens (capped by the context)
+    default_max_tokens: int | None = None  # cap on max_tokens when a request gives none (None: the context left)
+    sampling_defaults: SamplingDefaults | None = None  # None: the target folder's generation_config.json
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get 413 unread
     max_prompt_tokens: int | None = None  # longer prompts get 400 (None: the model's context)
 
@@ -85,7 +95,12 @@ def create_app(engine: Engine, tokenizer, config: ServerConfig, manage_engine: b
     app = FastAPI(title="dspark", lifespan=lifespan)
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
     max_context = engine.target.max_context
-    max_prompt = min(config.max_prompt_tokens or max_context, max_context)
+    budget = ContextBudget(max_context, min(config.max_prompt_tokens or max_context, max_context),
+                           engine.target.vocab_size, config.default_max_tokens)
+    defaults = config.sampling_defaults
+    if defaults is None:
+        defaults = SamplingDefaults.from_folder(engine.target.path)
+    metrics = ServerMetrics(engine.stats, config.model_name, max_context)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, err: APIError):
@@ -123,90 +138,6 @@ def create_app(engine: Engine, tokenizer, config: ServerConfig, manage_engine: b
             raise APIError(404, f"the model '{req.model}' does not exist; this server serves '{config.model_name}'",
                            param="model", code="model_not_found")
 
-    def sampling_params(req: SamplingFields, prompt_len: int, max_tokens: int | None) -> SamplingParams:
-        if req.n not in (None, 1):
-            raise APIError(400, "only n=1 is supported; send several requests instead", param="n")
-        temperature = 1.0 if req.temperature is None else req.temperature
-        if not 0.0 <= temperature <= MAX_TEMPERATURE:
-            raise APIError(400, f"temperature must be between 0 and {MAX_TEMPERATURE:g}, got {temperature}",
-                           param="temperature")
-        top_p = 1.0 if req.top_p is None else req.top_p
-        if not 0.0 < top_p <= 1.0:
-            raise APIError(400, f"top_p must be in (0, 1], got {top_p}", param="top_p")
-        top_k = 0 if req.top_k in (None, -1) else req.top_k
-        if top_k < 0:
-            raise APIError(400, f"top_k must be >= 0 (or -1 for off), got {req.top_k}", param="top_k")
-        room = max_context - prompt_len
-        if prompt_len > max_prompt and max_prompt < max_context:
-            raise APIError(400, f"the prompt has {prompt_len} tokens but this server accepts at most {max_prompt}",
-                           param="prompt", code="prompt_too_long")
-        if prompt_len >= max_context:
-            raise APIError(400, f"the prompt has {prompt_len} tokens but the model's context is {max_context} tokens; "
-                           "shorten the prompt", param="prompt", code="context_length_exceeded")
-        if max_tokens is None:
-            max_tokens = min(config.default_max_tokens, room)
-        elif max_tokens < 1:
-            raise APIError(400, f"max_tokens must be >= 1, got {max_tokens}", param="max_tokens")
-        elif max_tokens > room:
-            raise APIError(400, f"the model's context is {max_context} tokens: the prompt has {prompt_len}, so "
-                           f"max_tokens can be at most {room} (got {max_tokens})", param="max_tokens",
-                           code="context_length_exceeded")
-        stop_ids = list(req.stop_token_ids or [])
-        bad = [t for t in stop_ids if not 0 <= t < engine.target.vocab_size]
-        if bad:
-            raise APIError(400, f"stop_token_ids {bad[:5]} are outside the vocabulary", param="stop_token_ids")
-        seed = None if req.seed is None else req.seed % (2**63)
-        return SamplingParams(temperature, top_k, top_p, max_tokens, seed, stop_ids)
-
-    def stop_strings(req: SamplingFields) -> list[str]:
-        stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-        check_text(stops, "stop")
-        if len(stops) > MAX_STOP_STRINGS:
-            raise APIError(400, f"at most {MAX_STOP_STRINGS} stop strings are supported", param="stop")
-        return stops
-
-    def encode_prompt(req: CompletionRequest) -> list[int]:
-        check_text(req.prompt, "prompt")
-        prompt = req.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise APIError(400, f"send one prompt per request (got {len(prompt)})", param="prompt")
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            if not prompt:
-                raise APIError(400, "the prompt is empty", param="prompt")
-            return list(tokenizer.encode(prompt, add_special_tokens=True))
-        if not prompt:
-            raise APIError(400, "the prompt is empty", param="prompt")
-        return list(prompt)
-
-    def encode_messages(req: ChatCompletionRequest) -> list[int]:
-        if not req.messages:
-            raise APIError(400, "messages is empty; send at least one message", param="messages")
-        check_text(req.messages, "messages")
-        if not getattr(tokenizer, "chat_template", None):
-            raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
-        messages = []
-        for i, m in enumerate(req.messages):
-            role, content = m.get("role"), m.get("content")
-            if role not in ("system", "developer", "user", "assistant"):
-                raise APIError(400, f"messages[{i}].role must be system, user or assistant, got {role!r}",
-                               param=f"messages[{i}].role")
-            if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-                if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
-                    raise APIError(400, f"messages[{i}].content: only text parts are supported",
-                                   param=f"messages[{i}].content")
-                content = "".join(str(p.get("text", "")) for p in content)
-            if not isinstance(content, str):
-                raise APIError(400, f"messages[{i}].content must be a string", param=f"messages[{i}].content")
-            messages.append({"role": "system" if role == "developer" else role, "content": content})
-        if not any(m["content"].strip() for m in messages):
-            raise APIError(400, "the messages are empty", param="messages")
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return list(ids)
-
     def submit(prompt_ids: list[int], sampling: SamplingParams) -> RequestHandle:
         try:
             return engine.submit(prompt_ids, sampling, loop=asyncio.get_running_loop())
@@ -225,14 +156,23 @@ def create_app(engine: Engine, tokenizer, config: ServerConfig, manage_engine: b
                 handle.cancel()
                 return
 
-    async def run(request: Request, handle: RequestHandle, text: TextStream) -> AsyncIterator[tuple[str, str | None]]:
+    async def run(request: Request, handle: RequestHandle, text: TextStream,
+                  arrival: float) -> AsyncIterator[tuple[str, str | None]]:
         """(text delta, finish_reason) pairs; cancels the engine request when the consumer goes away."""
         watcher = asyncio.create_task(watch_disconnect(request, handle))
+        last = None  # when the previous tokens arrived
         try:
             async for event in handle.stream():
                 if event.finish_reason in ("error", "abort", "cancelled"):
                     raise APIError(503 if event.finish_reason == "abort" else 500,
                                    event.error or f"generation ended: {event.finish_reason}", "server_error")
+                if event.token_ids:
+                    now = time.perf_counter()
+                    if last is None:
+                        metrics.ttft.observe(now - arrival)
+                    else:
+                        metrics.tokens(len(event.token_ids), now - last)
+                    last = now
                 delta = text.add(event.token_ids)
                 if text.stopped:
                     handle.cancel("stop")
@@ -247,51 +187,60 @@ def create_app(engine: Engine, tokenizer, config: ServerConfig, manage_engine: b
             watcher.cancel()
             if not handle.done:
                 handle.cancel()
+            metrics.request_done(time.perf_counter() - arrival, len(handle.prompt_ids), text.num_tokens,
+                                 handle.stats)
 
     def usage(prompt_len: int, text: TextStream) -> dict[str, int]:
-        n = len(text.token_ids)
+        n = text.num_tokens
         return {"prompt_tokens": prompt_len, "completion_tokens": n, "total_tokens": prompt_len + n}
 
     def sse(payload: dict) -> str:
         return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
-    async def respond(request: Request, req: SamplingFields, prompt_ids: list[int], max_tokens: int | None,
-                      chat: bool):
+    def check_request(req: SamplingFields) -> None:
+        """The checks that need no tokenizer, before the (threaded) tokenisation."""
         check_model(req)
         refuse_unsupported(req)
-        sampling = sampling_params(req, len(prompt_ids), max_tokens)
-        stops = stop_strings(req)
-        handle = submit(prompt_ids, sampling)
-        text = TextStream(tokenizer, stops)
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        created = int(time.time())
-        head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
-                "model": config.model_name}
+        check_text(req.request_id, "request_id")
 
-        def choice(delta: str, finish: str | None, ids: list[int] | None) -> dict:
+    async def respond(request: Request, req: SamplingFields, prompt_ids: list[int], max_tokens: int | None,
+                      chat: bool, arrival: float):
+        prompt_ids = truncate_prompt(req, prompt_ids)
+        sampling = sampling_params(req, len(prompt_ids), max_tokens, defaults, budget)
+        text = TextStream(tokenizer, stop_strings(req), req.skip_special_tokens, req.include_stop_str_in_output)
+        handle = submit(prompt_ids, sampling)
+        rid = ("chatcmpl-" if chat else "cmpl-") + (req.request_id or uuid.uuid4().hex)
+        head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": int(time.time()), "model": config.model_name}
+
+        def choice(delta: str, finish: str | None, ids: list[int]) -> dict:
             c: dict[str, Any] = {"index": 0}
             if chat:
                 c["delta"] = {"content": delta} if delta else {}
             else:
                 c.update(text=delta, logprobs=None)
             c["finish_reason"] = finish
-            if req.return_token_ids and ids is not None:
+            if req.return_token_ids:
                 c["token_ids"] = ids
             return c
 
         if req.stream:
-            include_usage = bool((req.stream_options or {}).get("include_usage"))
+            options = req.stream_options or {}
+            include_usage, every_chunk = bool(options.get("include_usage")), bool(options.get("continuous_usage_stats"))
 
             async def events() -> AsyncIterator[str]:
-                sent = 0
+                sent = 0  # token ids already sent
                 try:
                     if chat:
                         first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
                         yield sse({**head, "choices": [first]})
-                    async for delta, finish in run(request, handle, text):
-                        ids = text.token_ids[sent:]
-                        sent = len(text.token_ids)
-                        yield sse({**head, "choices": [choice(delta, finish, ids)]})
+                    async for delta, finish in run(request, handle, text, arrival):
+                        ids = text.output_ids[sent:]
+                        sent += len(ids)
+                        chunk = {**head, "choices": [choice(delta, finish, ids)]}
+                        if every_chunk:
+                            chunk["usage"] = usage(len(prompt_ids), text)
+                        yield sse(chunk)
                     if include_usage:
                         yield sse({**head, "choices": [], "usage": usage(len(prompt_ids), text)})
                 except APIError as err:
@@ -303,7 +252,7 @@ def create_app(engine: Engine, tokenizer, config: ServerConfig, manage_engine: b
 
         parts: list[str] = []
         finish = None
-        async for delta, finish in run(request, handle, text):
+        async for delta, finish in run(request, handle, text, arrival):
             parts.append(delta)
         content = "".join(parts)
         if chat:
@@ -312,7 +261,7 @@ def create_app(engine: Engine, tokenizer, config: ServerConfig, manage_engine: b
         else:
             c = {"index": 0, "text": content, "logprobs": None, "finish_reason": finish}
         if req.return_token_ids:
-            c["token_ids"] = list(text.token_ids)
+            c["token_ids"] = text.output_ids
         body = {**head, "object": "chat.completion" if chat else "text_completion", "choices": [c],
                 "usage": usage(len(prompt_ids), text)}
         return JSONResponse(body)
@@ -320,16 +269,18 @@ def create_app(engine: Engine, tokenizer, config: ServerConfig, manage_engine: b
     # ------------------------------------------------------------ routes
     @app.post("/v1/completions", dependencies=[Depends(check_auth)])
     async def completions(req: CompletionRequest, request: Request):
-        check_model(req)  # before the (threaded) tokenisation
-        prompt_ids = await asyncio.to_thread(encode_prompt, req)
-        return await respond(request, req, prompt_ids, req.max_tokens, chat=False)
+        arrival = time.perf_counter()
+        check_request(req)
+        prompt_ids = await asyncio.to_thread(encode_prompt, tokenizer, req)
+        return await respond(request, req, prompt_ids, req.max_tokens, False, arrival)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(check_auth)])
     async def chat_completions(req: ChatCompletionRequest, request: Request):
+        arrival = time.perf_counter()
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        check_model(req)
-        prompt_ids = await asyncio.to_thread(encode_messages, req)
-        return await respond(request, req, prompt_ids, max_tokens, chat=True)
+        check_request(req)
+        prompt_ids = await asyncio.to_thread(encode_messages, tokenizer, req)
+        return await respond(request, req, prompt_ids, max_tokens, True, arrival)
 
     @app.get("/v1/models", dependencies=[Depends(check_auth)])
     async def models(request: Request):
@@ -344,8 +295,8 @@ def create_app(engine: Engine, tokenizer, config: ServerConfig, manage_engine: b
         return {"status": "ok"}
 
     @app.get("/metrics")
-    async def metrics():
-        return PlainTextResponse(render_prometheus(engine.stats(), config.model_name), media_type=CONTENT_TYPE)
+    async def prometheus():
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     return app
 

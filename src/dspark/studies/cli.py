@@ -44,16 +44,20 @@ def _reproduce(args: argparse.Namespace) -> int:
 
 def add_demo(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "demo", help="end-to-end demo: prepare SmolLM2, get a DSpark drafter, compare decoding speed",
-        description="Reuses a drafter from --drafter, runs/smollm2-dspark-markov, runs/study/train-long/dspark-markov, "
-        "runs/study/train/dspark-markov or $DSPARK_HOME/demo; otherwise builds a small training set with the target and trains one for "
-        "--train-minutes. Then decodes a few evaluation prompts (greedy) and prints a table. Unlike the other "
-        "commands it defaults to the fastest CPU settings: --dtype bfloat16, --head-top-m 64 and a draft vocabulary "
-        "built from the drafter's training data.",
+        "demo", help="end-to-end demo: prepare SmolLM2, take the shipped DSpark drafter, compare decoding speed",
+        description="Decodes a few evaluation prompts (greedy) with plain decoding, prompt lookup, DSpark and hybrid "
+        "drafting and prints acceptance length, speed and whether each row produced exactly the plain text. The "
+        "drafter: --drafter, else the shipped reference drafter checkpoints/smollm2-135m-dspark (see its README), "
+        "else (or with --train) a small one trained here for --train-minutes on answers the target regenerates. "
+        "Decodes in float32 on the CPU by default, where every row must equal plain decoding exactly (the demo "
+        "fails otherwise); --dtype bfloat16 (the default on a GPU) is faster, but a verify block and a one-token "
+        "step round differently there, so a near-tied greedy choice can flip.",
     )
     p.add_argument("--target", default=DEFAULT_TARGET, help="preset or HF folder (default: %(default)s)")
     add_target_options(p)
-    p.add_argument("--drafter", default=None, help="a DSpark checkpoint folder to use instead of finding/training one")
+    p.add_argument("--drafter", default=None, help="a DSpark checkpoint folder to use instead of the shipped one")
+    p.add_argument("--train", action="store_true",
+                   help="train a demo drafter from scratch (resumable, in --work-dir) instead of the shipped one")
     add_drafter_options(p)
     p.add_argument("--work-dir", default=None, help="where demo data and the demo drafter go (default: $DSPARK_HOME/demo)")
     p.add_argument("--train-minutes", type=float, default=5.0, help="training time for a new demo drafter (default: %(default)s)")
@@ -63,5 +67,5 @@ def add_demo(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--draft-vocab-size", type=int, default=4096, metavar="N",
                    help="without --draft-vocab, build one of N tokens from the drafter's own training data "
                    "(its train_config.json), 0 = draft from the whole vocabulary (default: %(default)s)")
-    # the fastest settings measured on a CPU (docs/performance.md); --dtype float32 / --head-top-m 0 undo them
-    p.set_defaults(func=run_demo, dtype="bfloat16", head_top_m=64)
+    # the cheapest drafting measured on a CPU (docs/performance.md); --head-top-m 0 undoes it
+    p.set_defaults(func=run_demo, head_top_m=64)

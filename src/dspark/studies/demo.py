@@ -1,10 +1,13 @@
 """`dspark demo`: the README's main command.
 
-Prepares the default target, obtains a DSpark drafter (reuses one trained
-earlier on this machine, else trains a small one in a few minutes), decodes a
-few evaluation prompts with plain decoding, prompt lookup and DSpark, and
-prints acceptance length and speedup. Greedy, so every row must produce the
-target's own text: the table says whether it did.
+Prepares the default target, takes the shipped reference drafter
+(``checkpoints/smollm2-135m-dspark`` in the repository; ``--drafter`` names
+another, ``--train`` trains a small one from scratch in a few minutes), decodes
+a few evaluation prompts with plain decoding, prompt lookup, DSpark and hybrid
+drafting (prompt lookup where the answer repeats its context, DSpark elsewhere),
+and prints acceptance length and speedup. Greedy, so every row must produce the
+target's own text: in float32 (the default) it does, exactly, and the demo
+fails otherwise.
 """
 
 from __future__ import annotations
@@ -18,19 +21,29 @@ from dspark.drafters.options import DraftingOptions, load_target_from_args
 from dspark.tables import fmt, markdown_table
 
 DEMO_SETS = ("gsm8k", "humaneval", "mt-bench")
+REFERENCE = Path("checkpoints") / "smollm2-135m-dspark"  # the shipped drafter, relative to the repository
+
+
+def reference_drafter() -> Path | None:
+    """The shipped reference drafter: in the working directory's repository, else beside this source tree."""
+    for root in (Path.cwd(), Path(__file__).resolve().parents[3]):
+        if (root / REFERENCE / "config.json").is_file():
+            return root / REFERENCE
+    return None
 
 
 def _find_drafter(args: argparse.Namespace, work: Path) -> Path | None:
-    from dspark.training.trainer import latest_checkpoint
+    """--drafter, else (without --train) the shipped reference drafter, else a demo drafter trained earlier."""
+    from dspark.training.checkpoints import latest_checkpoint
 
     if args.drafter:
         return Path(args.drafter)
-    # `dspark train --config smollm2-dspark-markov`, bench/long_training.sh, `dspark reproduce --budget cpu`, a demo
-    for out in (Path("runs/smollm2-dspark-markov"), Path("runs/study/train-long/dspark-markov"),
-                Path("runs/study/train/dspark-markov"), work / "drafter"):
-        ckpt = latest_checkpoint(out) if out.exists() else None
-        if ckpt is not None and (ckpt / "config.json").is_file() and (out / "train_summary.json").is_file():
-            return ckpt
+    if not args.train and (ref := reference_drafter()) is not None:
+        return ref
+    out = work / "drafter"  # an earlier `dspark demo --train` (resumed if unfinished)
+    ckpt = latest_checkpoint(out) if out.exists() else None
+    if ckpt is not None and (ckpt / "config.json").is_file() and (out / "train_summary.json").is_file():
+        return ckpt
     return None
 
 
@@ -40,7 +53,7 @@ def _draft_vocab(args: argparse.Namespace, ckpt: Path, target, work: Path) -> st
 
     from dspark.data.vocab import write_draft_vocab
 
-    if args.draft_vocab or args.draft_vocab_size <= 0:
+    if args.draft_vocab or args.draft_vocab_size <= 0 or _has_own_vocab(ckpt):
         return args.draft_vocab
     cfg_path = ckpt / "train_config.json"
     data = json.loads(cfg_path.read_text()).get("data") if cfg_path.is_file() else None
@@ -52,6 +65,14 @@ def _draft_vocab(args: argparse.Namespace, ckpt: Path, target, work: Path) -> st
                   f"({coverage:.1%} of its answer tokens) -> {path}")
             return str(path)
     return None
+
+
+def _has_own_vocab(ckpt: Path) -> bool:
+    """Whether the checkpoint carries its draft vocabulary (then it needs no side file)."""
+    import json
+
+    cfg = json.loads((ckpt / "config.json").read_text()) if (ckpt / "config.json").is_file() else {}
+    return bool(cfg.get("draft_vocab_size"))
 
 
 def _train_demo_drafter(args: argparse.Namespace, target, work: Path) -> Path:
@@ -74,17 +95,17 @@ def _train_demo_drafter(args: argparse.Namespace, target, work: Path) -> Path:
     cfg = load_config(
         "smollm2-dspark-markov",
         [f"time_budget_s={args.train_minutes * 60:.0f}", "epochs=20", "max_length=512", "checkpoint_every=50",
-         f"dtype={args.dtype}"],
+         f"dtype={args.dtype}", f"device={args.device}"],
         target=args.target, data=[str(tok)], out=str(work / "drafter"),
     )
-    resume = (work / "drafter" / "step_latest").exists()
-    return train(cfg, resume=resume, target=target)
+    return train(cfg, resume=True, target=target)  # an unfinished demo training continues; none: step 0
 
 
 def run_demo(args: argparse.Namespace) -> int:
     import torch
 
     from dspark.drafters.base import NoDrafter
+    from dspark.drafters.hybrid import HybridDrafter
     from dspark.drafters.prompt_lookup import PromptLookupDrafter
     from dspark.drafters.registry import load_drafter
     from dspark.data.eval_sets import load_eval_dataset
@@ -99,11 +120,14 @@ def run_demo(args: argparse.Namespace) -> int:
     if ckpt is None:
         ckpt = _train_demo_drafter(args, target, work)
     print(f"[demo] DSpark drafter: {ckpt}")
+    dspark = load_drafter(str(ckpt), target, DraftingOptions.from_args(
+        args, hybrid=False, draft_vocab=_draft_vocab(args, ckpt, target, work)))
     drafters = {
         "plain (no drafter)": NoDrafter(target.vocab_size),
         "prompt lookup": PromptLookupDrafter(target.vocab_size, 7),
-        "DSpark": load_drafter(str(ckpt), target, DraftingOptions.from_args(
-            args, block_size=None, draft_vocab=_draft_vocab(args, ckpt, target, work))),
+        "DSpark": dspark,
+        f"hybrid (lookup on {args.hybrid_min_ngram}-gram repeats, else DSpark)": HybridDrafter(
+            dspark, target.vocab_size, min_ngram=args.hybrid_min_ngram, max_ngram=max(args.hybrid_min_ngram, 4)),
     }
     prompts = []
     for name in DEMO_SETS:
@@ -127,7 +151,7 @@ def run_demo(args: argparse.Namespace) -> int:
         same = sum(out == ref for out, ref in zip(outputs, reference))
         rows.append((label, sum(taus) / len(taus), tokens / seconds, same))
     base = rows[0][2]
-    top_m, vocab = getattr(drafters["DSpark"], "head_top_m", None), getattr(drafters["DSpark"], "draft_vocab", None)
+    top_m, vocab = getattr(dspark, "head_top_m", None), getattr(dspark, "draft_vocab", None)
     print(f"\n{len(prompts)} prompts ({', '.join(DEMO_SETS)}), greedy, {args.max_new_tokens} new tokens max, "
           f"{args.dtype}{', compiled' if args.compile else ''}; DSpark head over "
           f"{f'the top {top_m}' if top_m else 'all'} tokens, draft vocabulary of "

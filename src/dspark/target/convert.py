@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from dspark.errors import ModelLoadError
+from dspark.extras import require
 from dspark.target.presets import PRESETS, GGUFPreset
 
 
@@ -25,6 +26,7 @@ def convert_gguf_preset(preset: GGUFPreset, out_dir: Path | None = None) -> Path
     out_dir = Path(out_dir or preset.cache_dir())
     if (out_dir / "config.json").is_file():
         return out_dir
+    require("gguf", "gguf", f"converting the GGUF preset {preset.name}")
     gguf = preset.gguf_path()
     print(f"[dspark] converting {gguf.name} to a Hugging Face folder in {out_dir} (once)")
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)

@@ -90,6 +90,7 @@ class TargetModel:
         capture_layers: list[int] | None = None,
         logits_for: str = "all",  # "all" | "last" (last token of each request) | "none"
     ) -> TargetOutput:
+        input_ids = input_ids.to(self.device, non_blocking=True)  # callers build ids on the host
         last_hidden, features = self.model.model(input_ids, seq_lens, caches, capture_layers)
         if logits_for == "all":
             logits = self.model.logits(last_hidden)
@@ -157,7 +158,7 @@ _DECODER_PREFIXES = ("model.embed_tokens.", "model.layers.", "model.norm.", "lm_
 
 
 def build_model(spec: DecoderSpec, state: dict[str, torch.Tensor], what: str,
-                dtype: torch.dtype = torch.float32) -> CausalLM:
+                dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> CausalLM:
     model = CausalLM(spec)
     state = {k.removeprefix("model.language_model.").removeprefix("language_model."): v for k, v in state.items()}
     state = {(k if k.startswith(("model.", "lm_head.")) else f"model.{k}"): v for k, v in state.items()}
@@ -177,7 +178,7 @@ def build_model(spec: DecoderSpec, state: dict[str, torch.Tensor], what: str,
             f"{unused[:5]}{'...' if len(unused) > 5 else ''}; config.json does not describe these weights"
         )
     load_into(model, state, what)
-    return model.to(dtype)
+    return model.to(dtype=dtype).to(device)  # cast on the host first: a GPU then receives the smaller copy
 
 
 def load_tokenizer(folder: Path):
@@ -190,8 +191,11 @@ def load_tokenizer(folder: Path):
 
 
 def load_target(name_or_path: str, dtype: torch.dtype = torch.float32, tokenizer: bool = True,
-                fuse: bool = False) -> TargetModel:
-    """Load a preset (e.g. ``smollm2-135m``) or a local HF causal-LM folder.
+                fuse: bool = False, device: torch.device | str = "cpu") -> TargetModel:
+    """Load a preset (e.g. ``smollm2-135m``) or a local HF causal-LM folder onto ``device``.
+
+    ``device`` is a torch device (``dspark.drafters.options.resolve_device`` turns ``--device`` into one); the
+    KV caches (``new_cache``) and the drafters loaded for this target follow it.
 
     ``fuse``: q/k/v and gate/up as one matmul each (decoding only; the target's state_dict then loses its
     checkpoint names, so not for code that copies target weights by name, like the draft-LM initialiser).
@@ -199,7 +203,7 @@ def load_target(name_or_path: str, dtype: torch.dtype = torch.float32, tokenizer
     folder = resolve_model_path(name_or_path)
     cfg = read_config(folder)
     spec = spec_from_config(cfg)
-    model = build_model(spec, load_state_dict(folder), f"target {name_or_path}", dtype)
+    model = build_model(spec, load_state_dict(folder), f"target {name_or_path}", dtype, device)
     if fuse:
         fuse_projections(model.model.layers)
     tok = load_tokenizer(folder) if tokenizer else None

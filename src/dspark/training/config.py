@@ -27,7 +27,7 @@ from dspark import presets
 from dspark.errors import DSparkError
 from dspark.presets import preset_names, read_preset  # noqa: F401  (preset_names: re-exported for the CLI)
 
-FEATURE_SOURCES = ("online", "cache")
+FEATURE_SOURCES = ("auto", "online", "cache")
 DTYPES = DTYPE_NAMES
 
 
@@ -58,16 +58,26 @@ class TrainConfig:
     checkpoint_every: int = 1000  # optimizer steps; a checkpoint is always written at the end
     keep_checkpoints: int = 0  # keep only the newest N step_* folders (0 = keep all)
     log_every: int = 10
-    feature_source: str = "online"  # online: run the target per sample | cache: read a feature cache
-    cache_dir: str | None = None  # the feature cache (``dspark data features``) for feature_source "cache"
+    # auto: build the feature cache (cache_dir, else OUT/feature-cache) on the first pass when it fits on disk, then
+    # read it | online: run the target per sample, every epoch | cache: read an existing cache (cache_dir)
+    feature_source: str = "auto"
+    cache_dir: str | None = None  # the feature cache (``dspark data features``) for feature_source "cache" / "auto"
+    # DSpark/DFlash: draft only these tokens (LM-head and Markov rows over them; stored in the checkpoint):
+    draft_vocab_size: int | None = None  # the N most frequent answer tokens of the training data
+    draft_vocab_file: str | None = None  # or a `dspark data vocab` file
     dtype: str = "float32"  # drafter and target compute dtype; the optimizer keeps fp32 master weights
-    device: str = "cpu"  # cpu | cuda | auto
+    device: str = "cpu"  # cpu | cuda | auto (`dspark train --device` sets it)
+    save_dtype: str = "bfloat16"  # model.safetensors of each checkpoint (resume reads the fp32 master weights)
     # stop (with a checkpoint) at the first step boundary after this many seconds; the LR schedule then runs
     # over max(step fraction, time fraction), so warmup and cosine decay fit the budget
     time_budget_s: float | None = None  # stop (with a checkpoint) at the first step boundary after this many
     # seconds of training, counted across resumes: for equal-compute comparisons
     num_threads: int | None = None  # torch intra-op threads per process
     find_unused_parameters: bool = False  # DDP option, for models with parameters a loss may not touch
+    # under torchrun: "ddp" replicates the drafter on every rank; "fsdp" shards it (FSDP2), and the frozen target's
+    # decoder layers too (online features) or drops them (a feature cache); see
+    # docs/training.md §Beyond one process: sharded features and FSDP
+    parallel: str = "ddp"
 
     def __post_init__(self) -> None:
         if isinstance(self.data, str):
@@ -80,13 +90,22 @@ class TrainConfig:
 
         if self.drafter not in KIND_NAMES:
             raise bad(f"drafter must be one of {', '.join(KIND_NAMES)}, got {self.drafter!r}")
+        if self.draft_vocab_size is not None and self.draft_vocab_file is not None:
+            raise bad("set draft_vocab_size or draft_vocab_file, not both")
+        if (self.draft_vocab_size is not None or self.draft_vocab_file) and self.drafter not in ("dspark", "dflash"):
+            raise bad(f"a draft vocabulary (draft_vocab_size / draft_vocab_file) is for dspark and dflash, "
+                      f"not {self.drafter}")
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
+            raise bad(f"draft_vocab_size must be >= 1, got {self.draft_vocab_size}")
         if self.feature_source not in FEATURE_SOURCES:
             raise bad(f"feature_source must be one of {', '.join(FEATURE_SOURCES)}, got {self.feature_source!r}")
         if self.dtype not in DTYPES:
             raise bad(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.save_dtype not in DTYPES:
+            raise bad(f"save_dtype must be one of {', '.join(DTYPES)}, got {self.save_dtype!r}")
         if self.grad_accum is not None and self.global_batch_size is not None:
             raise bad("set grad_accum or global_batch_size, not both")
-        for name in ("grad_accum", "global_batch_size", "max_steps", "max_samples"):
+        for name in ("grad_accum", "global_batch_size", "max_steps", "max_samples", "num_threads"):
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise bad(f"{name} must be >= 1, got {v}")
@@ -97,6 +116,8 @@ class TrainConfig:
             raise bad(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
         if self.keep_checkpoints < 0:
             raise bad(f"keep_checkpoints must be >= 0 (0 = keep all), got {self.keep_checkpoints}")
+        if self.parallel not in ("ddp", "fsdp"):
+            raise bad(f"parallel must be ddp or fsdp, got {self.parallel!r}")
         if self.device not in ("cpu", "cuda", "auto"):
             raise bad(f"device must be cpu, cuda or auto, got {self.device!r}")
         if self.time_budget_s is not None and self.time_budget_s < 0:
@@ -180,11 +201,21 @@ def config_from_dict(raw: dict[str, Any]) -> TrainConfig:
 
 
 def load_config(name_or_path: str | None, overrides: list[str] = (), **fields: Any) -> TrainConfig:
-    """Read a preset or JSON file, apply ``--set`` overrides, then explicit ``fields`` (CLI flags)."""
+    """Read a preset or JSON file, apply ``--set`` overrides, then explicit ``fields`` (CLI flags).
+
+    Errors name the file (and the overrides, when there are any)."""
     raw = _read_config_source(name_or_path) if name_or_path else {}
     raw = apply_overrides(raw, list(overrides))
     raw.update({k: v for k, v in fields.items() if v is not None})
-    return config_from_dict(raw)
+    try:
+        cfg = config_from_dict(raw)
+        build_model_config(cfg)  # the model sub-config's own checks, before anything is loaded
+        return cfg
+    except TrainConfigError as err:
+        if not name_or_path:
+            raise
+        where = f"training config {name_or_path}" + (" with --set " + " ".join(overrides) if overrides else "")
+        raise TrainConfigError(f"{where}: {str(err).removeprefix('training config: ')}") from None
 
 
 # ---------------------------------------------------------------- model sub-config

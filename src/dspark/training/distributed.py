@@ -50,7 +50,7 @@ def barrier(d: DistInfo) -> None:
 def all_mean(d: DistInfo, values: list[float]) -> list[float]:
     if not d.distributed:
         return values
-    t = torch.tensor(values, dtype=torch.float64)
+    t = torch.tensor(values, dtype=torch.float64, device=_collective_device())
     torch.distributed.all_reduce(t)
     return (t / d.world_size).tolist()
 
@@ -58,9 +58,14 @@ def all_mean(d: DistInfo, values: list[float]) -> list[float]:
 def all_sum(d: DistInfo, value: float) -> float:
     if not d.distributed:
         return value
-    t = torch.tensor([value], dtype=torch.float64)
+    t = torch.tensor([value], dtype=torch.float64, device=_collective_device())
     torch.distributed.all_reduce(t)
     return float(t.item())
+
+
+def _collective_device() -> torch.device:
+    """nccl reduces GPU tensors only; gloo host tensors."""
+    return torch.device("cuda") if torch.distributed.get_backend() == "nccl" else torch.device("cpu")
 
 
 def resolve_device(name: str, local_rank: int) -> torch.device:
@@ -85,6 +90,8 @@ def out_of_time(cfg: TrainConfig, d: DistInfo, seconds: float) -> bool:
 
 
 def set_threads(cfg: TrainConfig, d: DistInfo, device: torch.device) -> None:
+    """torch's intra-op threads: ``cfg.num_threads`` when set (``dspark --threads N train`` sets it, over the
+    config's own value), else an equal share of the cores per local rank under torchrun on CPU."""
     if cfg.num_threads is not None:
         torch.set_num_threads(cfg.num_threads)
     elif d.distributed and device.type == "cpu":  # do not oversubscribe the cores among local ranks

@@ -1,20 +1,21 @@
-"""Drafter training: one process or many under ``torchrun`` (DDP; gloo on CPU, nccl on GPU).
+"""Drafter training: one process or many under ``torchrun`` (DDP or FSDP2, ``fsdp.py``; gloo on CPU, nccl on GPU).
 
 The loop, per optimizer step: each rank takes ``grad_accum`` sequences (its
 disjoint slice of the global batch), builds a ``TrainSample`` for each (target
 features computed online or read from the feature cache), runs the drafter
 (its outputs; DSpark samples its anchors with a generator seeded from (seed, step,
-rank, micro-batch)) and the drafter kind's loss module on them (``DrafterWithLoss``,
-the one module DDP wraps), accumulates gradients, clips, and steps AdamW on fp32
+the sample's place in the global batch)) and the drafter kind's loss module on them (``DrafterWithLoss``,
+the one module DDP wraps or FSDP shards), accumulates gradients, clips, and steps AdamW on fp32
 master weights. The
 learning rate warms up linearly for int(warmup_ratio * total) steps, then
 follows a cosine to 0 (docs/interop.md §Training configs; DeepSpec's ``CosineAnnealingWarmupLR``).
 
 Determinism and resume: the data order is a seeded permutation per epoch and
-the anchor generator is a function of (seed, step, rank, micro-batch), so the
+the anchor generator is a function of (seed, step, place in the global batch), so the
 only state a resume needs is what the checkpoint holds: fp32 master weights,
 AdamW moments, the scheduler and the step. A run killed after checkpoint N and
-resumed from ``step_latest`` computes the same step N+1 loss as an uninterrupted run.
+resumed from ``step_latest`` computes the same step N+1 loss as an uninterrupted run, and runs with
+the same global batch split over different ranks x grad_accum see the same samples and anchors.
 
 Output folder (checkpoints: ``checkpoints.py``)::
 
@@ -46,8 +47,8 @@ from dspark.drafters.registry import kind_entry, model_kind_entry
 from dspark.drafters.sample import TrainSample
 from dspark.errors import DSparkError
 from dspark.training.checkpoints import (
-    latest_checkpoint,
     load_training_state,
+    prepare_run_folder,
     rng_state,
     set_rng_state,
     write_checkpoint,
@@ -63,7 +64,8 @@ from dspark.training.distributed import (
     resolve_device,
     set_threads,
 )
-from dspark.training.samples import build_sample_source, to_device
+from dspark.training import fsdp
+from dspark.training.samples import build_sample_source, draft_vocab_ids, prepare_feature_cache, to_device
 
 
 # ---------------------------------------------------------------- schedule and data order
@@ -124,7 +126,8 @@ def _derive_seed(*parts: int) -> int:
 
 
 def micro_generator(seed: int, step: int, rank: int, micro: int) -> torch.Generator:
-    """The generator the drafter samples anchors with, fixed by (seed, step, rank, micro-batch)."""
+    """The generator the drafter samples anchors with. The trainer passes rank 0 and, as ``micro``, the
+    sample's place a * W + r in the global batch (``DataOrder``), so only the global batch matters."""
     return torch.Generator().manual_seed(_derive_seed(seed, step, rank, micro))
 
 
@@ -180,11 +183,15 @@ class DrafterWithLoss(nn.Module):
         return self.loss(self.model, self.model(sample, generator), sample)
 
 
-def build_drafter(cfg: TrainConfig, target) -> nn.Module:
-    """A fresh drafter for ``target``; its random initialisation is fixed by ``cfg.seed``."""
+def build_drafter(cfg: TrainConfig, target, draft_vocab: list[int] | None = None) -> nn.Module:
+    """A fresh drafter for ``target``; its random initialisation is fixed by ``cfg.seed``. ``draft_vocab``
+    (DSpark/DFlash): the token ids it drafts (``samples.draft_vocab_ids``)."""
     model_cfg = build_model_config(cfg, target.default_layer_ids())
     torch.manual_seed(cfg.seed)
-    return kind_entry(cfg.drafter).model_class.from_target(target, model_cfg)
+    model_class = kind_entry(cfg.drafter).model_class
+    if draft_vocab is not None:
+        return model_class.from_target(target, model_cfg, draft_vocab=draft_vocab)
+    return model_class.from_target(target, model_cfg)
 
 
 def with_loss(model: nn.Module) -> DrafterWithLoss:
@@ -193,6 +200,14 @@ def with_loss(model: nn.Module) -> DrafterWithLoss:
 
 
 # ---------------------------------------------------------------- logging
+
+def _logged_step(line: str) -> float:
+    """The step of a metrics.jsonl line; inf (dropped) for a blank line or one a killed run left half written."""
+    try:
+        return float(json.loads(line)["step"])
+    except (ValueError, TypeError, KeyError):
+        return math.inf
+
 
 class _Logger:
     """Rank 0 only: tqdm bar, TensorBoard, metrics.jsonl."""
@@ -210,11 +225,12 @@ class _Logger:
 
             self.tb = SummaryWriter(str(out / "tb"), purge_step=start_step if start_step else None)
         except ImportError:  # tensorboard not installed: metrics.jsonl still has everything
+            print("[dspark] no TensorBoard logs: tensorboard is not installed (pip install 'dspark[tensorboard]'); "
+                  f"metrics go to {out / 'metrics.jsonl'}", flush=True)
             self.tb = None
         self.jsonl = out / "metrics.jsonl"
         if self.jsonl.exists():  # drop lines from after the checkpoint we resume from
-            keep = [ln for ln in self.jsonl.read_text().splitlines()
-                    if ln.strip() and json.loads(ln).get("step", 0) <= start_step]
+            keep = [ln for ln in self.jsonl.read_text().splitlines() if _logged_step(ln) <= start_step]
             self.jsonl.write_text("".join(ln + "\n" for ln in keep))
 
     def step(self, n: int = 1) -> None:
@@ -244,8 +260,8 @@ class _Logger:
 class Trainer:
     """One training run: built from a config, then ``run()`` until max steps or the time budget."""
 
-    def __init__(self, cfg: TrainConfig, resume: bool = False, *, target=None, model: nn.Module | None = None,
-                 dataset=None) -> None:
+    def __init__(self, cfg: TrainConfig, resume: bool = False, *, overwrite: bool = False, target=None,
+                 model: nn.Module | None = None, dataset=None) -> None:
         self.cfg = cfg
         self.out = Path(cfg.out)
         self.device = resolve_device(cfg.device, int(os.environ.get("LOCAL_RANK", "0")))
@@ -255,12 +271,7 @@ class Trainer:
         set_threads(cfg, d, self.device)
         self.dtype = torch_dtype(cfg.dtype)
 
-        self.resume_from = latest_checkpoint(self.out) if resume else None
-        if not resume and latest_checkpoint(self.out) is not None:
-            raise DSparkError(f"{self.out} already holds checkpoints; pass --resume to continue or choose another --out")
-        if d.is_main:
-            self.out.mkdir(parents=True, exist_ok=True)
-        barrier(d)
+        self.resume_from = prepare_run_folder(self.out, d, resume, overwrite)  # refuses to overwrite unless told
 
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
@@ -270,10 +281,17 @@ class Trainer:
 
             target = load_target(cfg.target, dtype=self.dtype, tokenizer=False)
         target.model.to(self.device)
-        self.model = model if model is not None else build_drafter(cfg, target)
-        self.model.to(device=self.device, dtype=self.dtype)
+        self.model = model if model is not None else build_drafter(cfg, target, draft_vocab_ids(cfg, target))
+        self.fsdp = d.distributed and cfg.parallel == "fsdp"  # FSDP keeps fp32 shards, computes in self.dtype
+        self.model.to(device=self.device, dtype=torch.float32 if self.fsdp else self.dtype)
         self.model.train()
-        self.source = build_sample_source(cfg, target, list(self.model.target_layer_ids), self.dtype, dataset)
+        layer_ids = list(self.model.target_layer_ids)
+        cache_dir = None  # feature_source "auto": the cache built (or found) now; None = online
+        if cfg.feature_source == "auto" and dataset is None:
+            cache_dir = prepare_feature_cache(cfg, target, layer_ids, d.is_main)
+            barrier(d)
+        self.source = build_sample_source(cfg, target, layer_ids, self.dtype, dataset, cache_dir=cache_dir,
+                                          logsumexp=getattr(self.model, "draft_vocab", None) is not None)
 
         self.accum = cfg.grad_accum_for(d.world_size)
         self.order = DataOrder(len(self.source), d.world_size, self.accum, cfg.seed)
@@ -285,6 +303,11 @@ class Trainer:
         self.total_steps = cfg.max_steps or cfg.epochs * self.order.steps_per_epoch
         self.warmup_steps = int(cfg.warmup_ratio * self.total_steps)
 
+        self.net: nn.Module = with_loss(self.model)
+        if self.fsdp:
+            online = cache_dir is None and cfg.feature_source != "cache"
+            fsdp.shard_target(target, self.device, d.world_size, online=online)
+            fsdp.shard_drafter(self.net, self.device, d.world_size, self.dtype)
         self.masters = MasterWeights(list(self.model.trainable_parameters()))
         self.optimizer = torch.optim.AdamW(self.masters.master, lr=cfg.lr, weight_decay=cfg.weight_decay)
         total, warmup = self.total_steps, self.warmup_steps
@@ -294,8 +317,7 @@ class Trainer:
         if self.resume_from is not None:
             self._restore(self.resume_from)
 
-        self.net: nn.Module = with_loss(self.model)
-        if d.distributed:
+        if d.distributed and not self.fsdp:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
             self.net = DDP(self.net, device_ids=[self.device.index] if self.device.type == "cuda" else None,
@@ -304,12 +326,12 @@ class Trainer:
     # -- state
 
     def _restore(self, folder: Path) -> None:
-        state = load_training_state(folder, self.d.rank)
+        state = load_training_state(folder, self.d.rank, self.masters.master)
         with torch.no_grad():
             for m, saved in zip(self.masters.master, state["master_weights"], strict=True):
-                m.copy_(saved)
+                m.copy_(fsdp.local_slice(saved, m))  # this rank's slice under FSDP, the whole tensor else
         self.masters.master_to_model()
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.optimizer.load_state_dict(fsdp.shard_optimizer_state(state["optimizer"], self.masters.master))
         self.scheduler.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"])
         self.step, self.tokens_seen, self.prior_seconds = state["step"], state["tokens_seen"], state["train_seconds"]
@@ -318,8 +340,8 @@ class Trainer:
 
     def _save(self, seconds: float) -> Path:
         state = {
-            "step": self.step, "master_weights": [m.detach().cpu() for m in self.masters.master],
-            "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+            "step": self.step, "master_weights": fsdp.full_master_weights(self.masters.master),
+            "optimizer": fsdp.full_optimizer_state(self.optimizer), "scheduler": self.scheduler.state_dict(),
             "rng": rng_state(), "tokens_seen": self.tokens_seen, "train_seconds": seconds,
             "world_size": self.d.world_size,
             "data_order": {"seed": self.cfg.seed, "next_step": self.step, "grad_accum": self.accum},
@@ -327,7 +349,8 @@ class Trainer:
         extra = {"world_size": self.d.world_size, "grad_accum_resolved": self.accum,
                  "total_steps": self.total_steps, "warmup_steps": self.warmup_steps,
                  "num_samples": len(self.source)}
-        return write_checkpoint(self.out, self.step, self.model, self.cfg, state, self.d, extra)
+        with fsdp.full_state_dict(self.model) if self.fsdp else nullcontext():  # FSDP: gathered on every rank
+            return write_checkpoint(self.out, self.step, self.model, self.cfg, state, self.d, extra)
 
     # -- one optimizer step
 
@@ -336,7 +359,8 @@ class Trainer:
         budget still warms up and decays to zero instead of stopping early in the warmup."""
         if self.cfg.time_budget_s is None:
             return None
-        progress = torch.tensor([max(self.step / self.total_steps, seconds / max(self.cfg.time_budget_s, 1e-9))])
+        progress = torch.tensor([max(self.step / self.total_steps, seconds / max(self.cfg.time_budget_s, 1e-9))],
+                                device=self.device)  # nccl broadcasts GPU tensors only
         if self.d.distributed:  # rank 0's clock decides
             torch.distributed.broadcast(progress, src=0)
         return float(progress)
@@ -348,16 +372,18 @@ class Trainer:
         self.masters.zero_grad()
         for a, index in enumerate(self.order.indices(self.step, d.rank)):
             sample = to_device(self.source[index], self.device, self.dtype)
-            sync = nullcontext() if (not d.distributed or a == accum - 1) else self.net.no_sync()
-            with sync:
-                loss, metrics = self.net(sample, micro_generator(self.cfg.seed, self.step, d.rank, a))
+            ddp_accumulating = d.distributed and not self.fsdp and a < accum - 1
+            with self.net.no_sync() if ddp_accumulating else nullcontext():
+                # keyed by the sample's place in the global batch: any (ranks x grad_accum) split draws alike
+                generator = micro_generator(self.cfg.seed, self.step, 0, a * d.world_size + d.rank)
+                loss, metrics = self.net(sample, generator)
                 (loss / accum).backward()
             loss_sum += float(loss.detach())
             for k, v in metrics.items():
                 metric_sums[k] = metric_sums.get(k, 0.0) + float(v)
             tokens += int(sample.input_ids.numel())
         self.masters.grads_to_master()
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.masters.master, self.cfg.max_grad_norm))
+        grad_norm = fsdp.grad_norm_value(torch.nn.utils.clip_grad_norm_(self.masters.master, self.cfg.max_grad_norm))
         if progress is not None:  # time-budget schedule; the step-count scheduler stays idle
             for group in self.optimizer.param_groups:
                 group["lr"] = self.cfg.lr * progress_multiplier(progress, self.cfg.warmup_ratio)
@@ -426,15 +452,16 @@ class Trainer:
             torch.distributed.destroy_process_group()
 
 
-def train(cfg: TrainConfig, resume: bool = False, *, target=None, model: nn.Module | None = None,
-          dataset=None) -> Path:
+def train(cfg: TrainConfig, resume: bool = False, *, overwrite: bool = False, target=None,
+          model: nn.Module | None = None, dataset=None) -> Path:
     """Train a drafter as ``cfg`` says and return the folder of the last checkpoint.
 
     ``target``, ``model`` and ``dataset`` may be passed in (tests, notebooks);
     otherwise they are built from ``cfg`` (target folder/preset, drafter class,
-    data path or feature cache). ``resume`` continues from ``out/step_latest``.
+    data path or feature cache). ``resume`` continues from ``out/step_latest`` (or, when that is missing or
+    dangling, the newest complete step_N); ``overwrite`` lets a new run delete the checkpoints in ``out``.
     """
-    trainer = Trainer(cfg, resume, target=target, model=model, dataset=dataset)
+    trainer = Trainer(cfg, resume, overwrite=overwrite, target=target, model=model, dataset=dataset)
     try:
         return trainer.run()
     finally:

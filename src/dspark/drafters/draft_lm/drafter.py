@@ -77,7 +77,7 @@ class DraftModelDrafter:
             if not active:
                 break
             seq = [feed[r] for r in active]
-            ids = torch.tensor([t for s in seq for t in s], dtype=torch.long)
+            ids = torch.tensor([t for s in seq for t in s], dtype=torch.long, device=self.model.lm_head.weight.device)
             hidden, _ = self.model.model(ids, [len(s) for s in seq], [states[r].cache for r in active])
             ends = torch.tensor([len(s) for s in seq]).cumsum(0) - 1
             logits = self.model.logits(hidden[ends])  # (A, V_draft)
@@ -113,7 +113,7 @@ def load_draft_model(path: str, target, block_size: int = 4, dtype: torch.dtype 
         raise IncompatibleModelsError(
             f"draft model {path} has vocabulary {spec.vocab_size}, the target {target.vocab_size}"
         )
-    model = build_model(spec, load_state_dict(folder), f"draft model {path}", dtype)
+    model = build_model(spec, load_state_dict(folder), f"draft model {path}", dtype, target.device)
     return DraftModelDrafter(model, target.vocab_size, block_size)
 
 

@@ -110,7 +110,7 @@ class DraftLMModel(nn.Module):
         if not cfg.freeze_embeddings:
             model.teacher_head = target.model.lm_head.weight.detach().float().clone()  # (V, H)
         model._apply_freeze()
-        return model.to(target.dtype)
+        return model.to(device=target.device, dtype=target.dtype)
 
     @classmethod
     def from_checkpoint(cls, folder: Path, target=None) -> "DraftLMModel":

@@ -14,7 +14,7 @@ from typing import Any
 from dspark.drafters.checkpoint import check_layer_ids
 from dspark.errors import ModelLoadError
 
-MARKOV_HEAD_TYPES = ("vanilla", "rnn")
+MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")  # heads.py
 
 
 @dataclass
@@ -30,19 +30,25 @@ class DSparkConfig:
     mask_token_id: int | None = None
     num_anchors: int = 64  # DeepSpec uses 512 on GPUs; 64 keeps CPU memory modest
     markov_rank: int = 256  # 0 = no sequential head (DFlash)
-    markov_head_type: str = "vanilla"  # "vanilla" eq. (5) | "rnn" eq. (6)
+    markov_head_type: str = "vanilla"  # "vanilla" eq. (5) | "gated" (DeepSpec) | "rnn" eq. (6)
     enable_confidence_head: bool = True
     confidence_head_with_markov: bool = True
     loss_decay_gamma: float = 4.0
     ce_loss_alpha: float = 0.1
     l1_loss_alpha: float = 0.9
     confidence_head_alpha: float = 1.0
+    # 0: slot k predicts anchor + k + 1 (DeepSpec, ours); 1: slot k predicts anchor + k and slot 0 drafts
+    # nothing (z-lab / SpecForge DFlash, speculators DSpark), loaded for decoding only
+    # (docs/interop.md §Slot conventions, ``slot_offset_of``)
+    slot_offset: int = 0
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.num_draft_layers < 1:
             raise ValueError(f"num_draft_layers must be >= 1, got {self.num_draft_layers}")
+        if self.slot_offset not in (0, 1) or self.block_size <= self.slot_offset:
+            raise ValueError(f"slot_offset must be 0 or 1 and below block_size {self.block_size}, got {self.slot_offset}")
         if self.num_anchors < 1:
             raise ValueError(f"num_anchors must be >= 1, got {self.num_anchors}")
         if self.markov_rank < 0:
@@ -82,6 +88,11 @@ class DSparkConfig:
         return dataclasses.asdict(self)
 
     @property
+    def num_drafts(self) -> int:
+        """Drafts one block proposes: every slot, or all but slot 0 for an anchor + k checkpoint."""
+        return self.block_size - self.slot_offset
+
+    @property
     def is_dflash(self) -> bool:
         return self.markov_rank == 0 and not self.enable_confidence_head
 
@@ -106,8 +117,20 @@ DRAFT_KEYS = {
     "architectures", "num_target_layers", "block_size", "mask_token_id", "target_layer_ids", "num_anchors",
     "enable_confidence_head", "markov_rank", "markov_head_type", "confidence_head_with_markov",
     "loss_decay_gamma", "ce_loss_alpha", "l1_loss_alpha", "confidence_head_alpha", "dflash_config",
-    "torch_dtype", "dtype",
+    "torch_dtype", "dtype", "draft_vocab_size", "target_fingerprint", "speculators_model_type",
 }
+
+#: ``architectures[0]`` of checkpoints whose slot k predicts anchor + k (z-lab's and SpecForge's DFlash)
+ANCHOR_PLUS_K_ARCHITECTURES = ("DFlashDraftModel",)
+
+
+def slot_offset_of(cfg: dict[str, Any]) -> int:
+    """The slot convention of a checkpoint's config.json (docs/interop.md §Slot conventions): 0 when slot k
+    predicts anchor + k + 1 (DeepSpec's ``*DSparkModel``, ours), 1 when slot k predicts anchor + k with slot 0
+    unused (``DFlashDraftModel`` of z-lab and SpecForge, the speculators format's ``speculators_model_type:
+    "dspark"``)."""
+    arch = (cfg.get("architectures") or [""])[0]
+    return int(arch in ANCHOR_PLUS_K_ARCHITECTURES or cfg.get("speculators_model_type") == "dspark")
 
 
 def config_from_checkpoint(cfg: dict[str, Any], folder: Path | str = "") -> DSparkConfig:
@@ -138,6 +161,7 @@ def config_from_checkpoint(cfg: dict[str, Any], folder: Path | str = "") -> DSpa
             ce_loss_alpha=float(get("ce_loss_alpha", defaults.ce_loss_alpha)),
             l1_loss_alpha=float(get("l1_loss_alpha", defaults.l1_loss_alpha)),
             confidence_head_alpha=float(get("confidence_head_alpha", defaults.confidence_head_alpha)),
+            slot_offset=slot_offset_of(cfg),
         )
     except (ValueError, KeyError) as err:
         raise ModelLoadError(f"{folder}/config.json: invalid DSpark settings ({err})") from None

@@ -1,8 +1,8 @@
 """DSpark / DFlash drafting inside the speculative loop (paper §3.1, eq. 4; docs/conventions.md §Drafting).
 
 Shapes: R = requests, G = trained block size (gamma), K = drafts proposed this
-step (<= G), V = vocabulary, H = hidden size, F = target-feature width,
-n = committed positions fed to the target (context length).
+step (<= G), V = vocabulary, W = draft vocabulary (V without one), H = hidden size,
+F = target-feature width, n = committed positions fed to the target (context length).
 
 Per request the drafter keeps the projected context keys/values of every draft
 layer in ``req.draft_state`` (a ``KVCache``). The context only grows (the loop
@@ -14,6 +14,11 @@ samples left to right, eq. (4): draft k comes from
 ``logits_to_probs(U_k + B_k(x_{k-1}))`` with the request's sampling parameters and
 generator; those exact distributions are returned as ``draft_probs``, so the
 rejection sampler stays lossless. DFlash (no head) samples every slot from U_k.
+
+Draft vocabulary: a checkpoint that carries one (``draft_vocab`` in model.safetensors)
+drafts from its W tokens; a full-vocabulary model given ``draft_vocab`` ids (``--draft-vocab
+FILE``) is restricted to them in memory (``restrict_to_draft_vocab``). Sampling happens over
+the W tokens; the reported ``draft_probs`` are those probabilities scattered into V (0 outside).
 """
 
 from __future__ import annotations
@@ -25,15 +30,18 @@ import torch
 from dspark.drafters.base import DraftBlock, RequestState
 from dspark.drafters.draft_vocab import load_draft_vocab
 from dspark.drafters.dspark.model import AttentionGroup, DSparkModel
+from dspark.drafters.dspark.vocab import restrict_to_draft_vocab
 from dspark.drafters.options import DraftingOptions
+from dspark.errors import IncompatibleModelsError
 from dspark.modeling.kv_cache import KVCache
+from dspark.modeling.layers import Rope
 from dspark.sampling.processing import logits_to_probs, sample_from_probs
 
 
 class DSparkDrafter:
     def __init__(self, model: DSparkModel, block_size: int | None = None, head_top_m: int | None = None,
                  draft_vocab: list[int] | None = None) -> None:
-        trained = model.config.block_size
+        trained = model.config.num_drafts  # the block's slots, less slot 0 for an anchor + k checkpoint
         if block_size is not None and not 1 <= block_size <= trained:
             raise ValueError(
                 f"block size {block_size} is not possible with this drafter: it was trained with block_size "
@@ -41,15 +49,18 @@ class DSparkDrafter:
             )
         if head_top_m is not None and head_top_m < 1:
             raise ValueError(f"head_top_m must be >= 1 (or None for the full vocabulary), got {head_top_m}")
-        self.model = model  # not switched to eval/frozen: a trainer may wrap its live model (no dropout here)
-        # the sequential head drafts among the top M tokens of U_k (None = all V; see DSparkModel.head_step)
-        self.head_top_m = head_top_m if model.markov_head is not None else None
-        # draft only these token ids (dspark.drafters.draft_vocab): U_k on their LM-head rows, -inf elsewhere
-        self.draft_vocab = self.vocab_rows = None
         if draft_vocab is not None:
-            w = model.lm_head.weight
-            self.draft_vocab = torch.as_tensor(draft_vocab, dtype=torch.long, device=w.device)  # (S,)
-            self.vocab_rows = w.detach()[self.draft_vocab].contiguous()  # (S, H): follows the model's dtype now
+            ids = torch.as_tensor(draft_vocab, dtype=torch.long)
+            if model.draft_vocab is None:  # draft only these token ids: the model restricted to them
+                model = restrict_to_draft_vocab(model, ids)
+            elif not torch.equal(model.draft_vocab.cpu(), ids):
+                raise IncompatibleModelsError(
+                    f"this DSpark checkpoint carries its own draft vocabulary of {model.draft_size} tokens; "
+                    f"the --draft-vocab file ({ids.numel()} tokens) differs: drop --draft-vocab")
+        self.model = model  # not switched to eval/frozen: a trainer may wrap its live model (no dropout here)
+        # the sequential head drafts among the top M tokens of U_k (None = all W; see DSparkModel.head_step)
+        self.head_top_m = head_top_m if model.markov_head is not None else None
+        self.draft_vocab = model.draft_vocab  # (W,) token ids the drafter may propose, None = all V
         self.block_size = block_size or trained
         self.target_layer_ids = model.target_layer_ids
         self.vocab_size = model.spec.vocab_size
@@ -74,10 +85,11 @@ class DSparkDrafter:
         start = cache.length
         if n > start:
             context = m.project_context(feats[start:n])  # (n_new, H)
-            positions = torch.arange(start, n, device=feats.device)
+            rope = Rope(torch.arange(start, n, device=feats.device))
             cache.reserve(n - start)
             for layer_idx in range(m.spec.num_layers):
-                k, v = m.context_kv(layer_idx, context, positions)  # (Hkv, n_new, D)
+                cos_sin = rope.for_layer(m.layers[layer_idx].self_attn, context.dtype)
+                k, v = m.context_kv(layer_idx, context, cos_sin)  # (Hkv, n_new, D)
                 cache.keys[layer_idx, :, start:n] = k
                 cache.values[layer_idx, :, start:n] = v
             cache.length = n
@@ -112,13 +124,15 @@ class DSparkDrafter:
             positions.append(torch.arange(start, start + G, device=dev))
         x = m.embed(torch.cat(ids))  # (R*G, H)
         hidden = m.backbone(x, torch.cat(positions), groups).view(R, G, -1)  # (R, G, H)
+        hidden = hidden[:, m.config.slot_offset:]  # slot 0 drafts nothing in an anchor + k checkpoint
 
         prev = torch.tensor([req.anchor for req in requests], dtype=torch.long, device=dev)  # x_{-1} = anchor
-        base, cand = self._base_logits(hidden[:, :K].reshape(R * K, -1), R, K)  # (R, K, V), (R, K, M) or None
+        base, cand = self._base_logits(hidden[:, :K].reshape(R * K, -1), R, K)  # (R, K, W), (R, K, M) or None
+        vocab = self.draft_vocab
         state = None
         for k in range(K):
             state, logits, conf = m.head_step(state, hidden[:, k], prev, base[:, k],
-                                              None if cand is None else cand[:, k])  # (R, V), (R,)
+                                              None if cand is None else cand[:, k])  # (R, W), (R,)
             if conf_logits is not None:
                 conf_logits[:, k] = conf
             nxt = prev.clone()
@@ -126,9 +140,14 @@ class DSparkDrafter:
                 if k >= want[r]:
                     continue
                 s = req.sampling
-                probs = logits_to_probs(logits[r], s.temperature, s.top_k, s.top_p)  # eq. (4)
-                tok = int(sample_from_probs(probs, req.generator))
-                tokens[r, k], draft_probs[r, k], nxt[r] = tok, probs, tok
+                probs = logits_to_probs(logits[r], s.temperature, s.top_k, s.top_p)  # eq. (4), (W,)
+                w = int(sample_from_probs(probs, req.generator))
+                tok = w if vocab is None else int(vocab[w])
+                tokens[r, k], nxt[r] = tok, tok
+                if vocab is None:
+                    draft_probs[r, k] = probs
+                else:  # the distribution sampled from, in V: 0 outside the draft vocabulary
+                    draft_probs[r, k, vocab] = probs.to(draft_probs.dtype)
             prev = nxt
         if conf_logits is not None:
             conf_logits *= torch.arange(K, device=dev)[None, :] < num_tokens[:, None]
@@ -136,19 +155,10 @@ class DSparkDrafter:
 
     def _base_logits(self, hidden: torch.Tensor, R: int, K: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """U_k of every slot in one 2-D matmul (U does not depend on x_<k; a 3-D input would copy the LM head),
-        and the candidate tokens of the sequential head: (R*K, H) -> (R, K, V), (R, K, M) or None = all V."""
+        and the candidate draft indices of the sequential head: (R*K, H) -> (R, K, W), (R, K, M) or None = all W."""
         m, top_m = self.model, self.head_top_m
-        if self.draft_vocab is None:
-            base = m.base_logits(hidden).view(R, K, -1)  # (R, K, V)
-            return base, (base.topk(min(top_m, base.shape[-1]), dim=-1).indices if top_m else None)
-        sub = m.base_logits(hidden, self.vocab_rows).view(R, K, -1)  # (R, K, S)
-        if top_m and top_m < sub.shape[-1]:
-            sub, idx = sub.topk(top_m, dim=-1)  # (R, K, M)
-            cand = self.draft_vocab[idx]
-        else:
-            cand = self.draft_vocab.expand(R, K, -1)  # (R, K, S)
-        base = sub.new_full((R, K, self.vocab_size), float("-inf")).scatter_(-1, cand, sub)
-        return base, (cand if m.markov_head is not None else None)
+        base = m.base_logits(hidden).view(R, K, -1)  # (R, K, W)
+        return base, (base.topk(min(top_m, base.shape[-1]), dim=-1).indices if top_m else None)
 
 
 def load_dspark_drafter(path: str | Path, target, block_size: int | None = None,
@@ -159,7 +169,7 @@ def load_dspark_drafter(path: str | Path, target, block_size: int | None = None,
     (the trained block still runs in full). ``head_top_m``: see ``DSparkDrafter``.
     """
     model = DSparkModel.from_checkpoint(Path(path), target)
-    return DSparkDrafter(model.to(target.dtype), block_size, head_top_m, draft_vocab)
+    return DSparkDrafter(model.to(device=target.device, dtype=target.dtype), block_size, head_top_m, draft_vocab)
 
 
 def load_with_options(path: Path, target, options: DraftingOptions) -> DSparkDrafter:

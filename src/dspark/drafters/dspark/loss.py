@@ -1,8 +1,8 @@
 """The DSpark / DFlash training loss, eqs. (8)-(12), on the model's teacher-forced block outputs.
 
 Shapes: A = blocks, G = block size (gamma), M = supervised rows (flattened
-(block, slot) pairs with a positive weight), V = vocabulary, H = hidden size,
-r = Markov rank.
+(block, slot) pairs with a positive weight), V = vocabulary, W = draft vocabulary
+(V without one), H = hidden size, r = Markov rank.
 
 Paper §3.3 (docs/conventions.md §Training losses):
 - position weight w_k = exp(-k / g) * eval_mask, k = 0..G-1 (DeepSpec; the paper's
@@ -13,8 +13,10 @@ Paper §3.3 (docs/conventions.md §Training losses):
   c* = clamp(1 - L1/2, 0, 1) = sum_v min(draft_probs, target_probs), eqs. (8), (11);
 - each term is sum(w * term) / sum(w); total = a_ce CE + a_l1 L1 + a_conf BCE, eq. (12).
 
-The V-sized logits of the supervised rows are built here, in chunks, through the
-model's heads (``draft_logits``, ``target_logits``): see ``chunked_row_terms``.
+The W-sized logits of the supervised rows are built here through the model's heads
+(``draft_logits``, ``target_logits``): see ``chunked_row_terms``. With a draft vocabulary
+the target distribution is the full one restricted to the W tokens (normalised by the
+sample's ``target_logsumexp``); CE skips labels outside; docs/training.md §Draft vocabulary.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from dspark.drafters.losses import (
     weighted_mean,
 )
 from dspark.drafters.sample import TrainSample
+from dspark.errors import DSparkError
 
 
 class DSparkLoss(nn.Module):
@@ -61,12 +64,21 @@ class DSparkLoss(nn.Module):
         latents = outputs.latents
         if latents is not None:
             latents = latents.reshape(-1, latents.shape[-1])[rows]  # (M, r)
-        target_hidden = sample.target_last_hidden[blocks.target_index.flatten()[rows]]  # (M, H)
-        labels = blocks.labels.flatten()[rows]  # (M,)
+        target_rows = blocks.target_index.flatten()[rows]  # (M,)
+        target_hidden = sample.target_last_hidden[target_rows]  # (M, H)
+        labels = model.draft_index(blocks.labels.flatten()[rows])  # (M,) w, -1 outside the draft vocabulary
         w = weights.flatten()[rows]  # (M,)
-        ce, l1 = chunked_row_terms(model.draft_logits, model.target_logits, (hidden, latents), target_hidden, labels)
+        lse = None
+        if model.draft_vocab is not None:
+            if sample.target_logsumexp is None:
+                raise DSparkError("a drafter with a draft vocabulary trains on samples with the target's "
+                                  "target_logsumexp (feature cache or online samples built for it)")
+            lse = sample.target_logsumexp[target_rows]  # (M,)
+        ce, l1 = chunked_row_terms(model.draft_logits, model.target_logits, (hidden, latents), target_hidden, labels,
+                                   target_lse=lse, vocab=model.draft_size)
         soft = (1.0 - 0.5 * l1.detach()).clamp(0.0, 1.0)  # eq. (8): c* = sum_v min(p_d, p_t)
-        loss_ce = weighted_mean(ce, w)  # eq. (9)
+        ce_w = w if lse is None else w * (labels >= 0)  # CE only where the label can be drafted
+        loss_ce = weighted_mean(ce, ce_w)  # eq. (9)
         loss_l1 = weighted_mean(l1, w)  # eq. (10)
         total = cfg.ce_loss_alpha * loss_ce
         if cfg.l1_loss_alpha > 0:

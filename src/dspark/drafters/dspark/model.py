@@ -7,8 +7,8 @@ checkpoints load and ours load there: ``embed_tokens``, ``layers.{i}.*``, ``norm
 
 Shapes: L = sequence length, n = context positions, A = blocks, G = block size
 (gamma), Q = query tokens, N = rows, H = hidden size, F = len(target_layer_ids) * H,
-V = vocabulary, r = Markov rank, Hq / Hkv / D = query heads / KV heads / head dim,
-S = context keys.
+V = target vocabulary, W = draft vocabulary (W = V without one), r = Markov rank,
+Hq / Hkv / D = query heads / KV heads / head dim, S = context keys.
 
 Backbone, eqs. (2)-(3) (docs/conventions.md §Context features, docs/interop.md §Drafter checkpoints):
 - context = hidden_norm(fc(concat target features)), the same tensor for every layer;
@@ -20,6 +20,12 @@ Backbone, eqs. (2)-(3) (docs/conventions.md §Context features, docs/interop.md 
 Sequential head, eq. (4): p_k = softmax(U_k + B_k), with the Markov bias eq. (5)
 B_k = W2 W1[x_{k-1}] or the RNN bias eq. (6). Confidence head eq. (7):
 logit_k = proj([h_k; W1[x_{k-1}]]). x_{-1} is the anchor token.
+
+Draft vocabulary (docs/training.md §Draft vocabulary): with ``draft_vocab`` (W target token ids, most
+frequent first) the LM head and the Markov head's W1 and W2 hold those W rows only, and every logit the
+model returns is over them (index w = token ``draft_vocab[w]``); ``draft_index`` maps token ids to
+w (-1 outside). A previous token outside the draft vocabulary (only the anchor can be) gets a zero
+Markov embedding W1[x_{-1}] = 0. Without one, W = V and w = token id.
 
 The settings are ``config.py``'s, the heads ``heads.py``'s. ``forward`` returns the
 teacher-forced outputs of a sequence's blocks; ``loss.py`` turns them into eq. (12).
@@ -38,22 +44,29 @@ from torch import nn
 from torch.nn import functional as F
 
 from dspark.drafters.checkpoint import (
+    FROZEN_PREFIXES,
     arch_name,
+    checkpoint_keys,
+    check_draft_vocab,
+    check_fingerprint,
     check_layer_ids,
     check_target_fit,
     copy_frozen_embeddings,
     draft_spec_from,
     finish_new_drafter,
     load_drafter_weights,
+    read_draft_vocab,
     target_base_config,
+    target_fingerprint,
+    vocab_index,
     write_checkpoint,
 )
 from dspark.drafters.dspark.blocks import Blocks, block_attention_mask, build_blocks, sample_anchors
 from dspark.drafters.dspark.config import DRAFT_KEYS, DSparkConfig, config_from_checkpoint, resolve_mask_token_id
 from dspark.drafters.dspark.heads import ConfidenceHead, MarkovHead
 from dspark.drafters.sample import TrainSample
-from dspark.errors import IncompatibleModelsError
-from dspark.modeling.layers import DecoderLayer, RMSNorm
+from dspark.errors import IncompatibleModelsError, ModelLoadError
+from dspark.modeling.layers import DecoderLayer, RMSNorm, Rope, RopeInput
 from dspark.modeling.spec import DecoderSpec, spec_from_config
 from dspark.modeling.weights import read_config
 
@@ -83,7 +96,7 @@ class DSparkOutputs:
 
 class DSparkModel(nn.Module):
     def __init__(self, config: DSparkConfig, spec: DecoderSpec, base_config: dict[str, Any],
-                 num_target_layers: int) -> None:
+                 num_target_layers: int, draft_vocab: torch.Tensor | list[int] | None = None) -> None:
         super().__init__()
         if config.target_layer_ids is None or config.mask_token_id is None:
             raise ValueError("DSparkModel needs resolved target_layer_ids and mask_token_id; use from_target")
@@ -98,9 +111,18 @@ class DSparkModel(nn.Module):
         self.norm = RMSNorm(H, eps, off)
         self.fc = nn.Linear(len(config.target_layer_ids) * H, H, bias=False)
         self.hidden_norm = RMSNorm(H, eps, off)
-        self.lm_head = nn.Linear(H, V, bias=False)
+        # draft_vocab (W,) int64 target ids, a saved buffer; vocab_index (V,) int64 token id -> w, -1 outside
+        if draft_vocab is not None:
+            ids = check_draft_vocab(draft_vocab, V)
+            self.register_buffer("draft_vocab", ids)
+            self.register_buffer("vocab_index", vocab_index(ids, V), persistent=False)
+        else:
+            self.draft_vocab = self.vocab_index = None
+        W = V if draft_vocab is None else self.draft_vocab.numel()
+        self.lm_head = nn.Linear(H, W, bias=False)  # the target's LM-head rows over the draft vocabulary
         r = config.markov_rank
-        self.markov_head = MarkovHead(V, r, H, config.markov_head_type) if r > 0 else None
+        self.markov_head = MarkovHead(W, r, H, config.markov_head_type) if r > 0 else None
+        self.target_fingerprint: list[float] | None = None  # target_fingerprint() of the target it was made for
         self.confidence_head = None
         if config.enable_confidence_head:
             self.confidence_head = ConfidenceHead(H + (r if config.confidence_head_with_markov else 0))
@@ -108,8 +130,10 @@ class DSparkModel(nn.Module):
     # ----------------------------------------------------------------- construction
 
     @classmethod
-    def from_target(cls, target, cfg: DSparkConfig, generator: torch.Generator | None = None) -> "DSparkModel":
-        """A fresh drafter for ``target``: random backbone/heads, embed_tokens and lm_head copied and frozen."""
+    def from_target(cls, target, cfg: DSparkConfig, generator: torch.Generator | None = None,
+                    draft_vocab: list[int] | torch.Tensor | None = None) -> "DSparkModel":
+        """A fresh drafter for ``target``: random backbone/heads, embed_tokens and lm_head copied and frozen
+        (the LM head's rows over ``draft_vocab`` only, when given)."""
         layer_ids = cfg.target_layer_ids if cfg.target_layer_ids is not None else target.default_layer_ids()
         check_layer_ids(layer_ids, target.num_layers)
         mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else resolve_mask_token_id(target)
@@ -117,7 +141,8 @@ class DSparkModel(nn.Module):
             raise ValueError(f"mask_token_id {mask_id} is outside the target vocabulary of {target.vocab_size}")
         cfg = dataclasses.replace(cfg, target_layer_ids=list(layer_ids), mask_token_id=int(mask_id))
         base = target_base_config(target)
-        model = cls(cfg, draft_spec_from(target.spec, cfg.num_draft_layers), base, target.num_layers)
+        model = cls(cfg, draft_spec_from(target.spec, cfg.num_draft_layers), base, target.num_layers, draft_vocab)
+        model.target_fingerprint = target_fingerprint(target)
         return finish_new_drafter(model, target, base, generator)
 
     def copy_frozen_from(self, target) -> None:
@@ -143,8 +168,14 @@ class DSparkModel(nn.Module):
         if num_target_layers is None:
             num_target_layers = target.num_layers if target is not None else max(config.target_layer_ids) + 1
         base = {k: v for k, v in cfg_dict.items() if k not in DRAFT_KEYS}
-        model = cls(config, spec, base, int(num_target_layers))
-        return load_drafter_weights(model, folder, f"DSpark drafter {folder}", target)
+        what = f"DSpark drafter {folder}"
+        vocab = read_draft_vocab(folder, cfg_dict, spec.vocab_size)
+        model = cls(config, spec, base, int(num_target_layers), vocab)
+        model.target_fingerprint = cfg_dict.get("target_fingerprint")
+        if target is not None:
+            check_fingerprint(what, model.target_fingerprint, target)
+        check_head_tensors(what, checkpoint_keys(folder), set(model.state_dict()), config)
+        return load_drafter_weights(model, folder, what, target)
 
     # ----------------------------------------------------------------- pieces
 
@@ -156,6 +187,17 @@ class DSparkModel(nn.Module):
     def block_size(self) -> int:
         return self.config.block_size
 
+    @property
+    def draft_size(self) -> int:
+        """W: the tokens the drafter can propose."""
+        return self.lm_head.out_features
+
+    def draft_index(self, tokens: torch.Tensor) -> torch.Tensor:  # (...,) token ids -> (...,) w, -1 outside
+        return tokens if self.vocab_index is None else self.vocab_index[tokens]
+
+    def draft_tokens(self, index: torch.Tensor) -> torch.Tensor:  # (...,) w -> (...,) token ids
+        return index if self.draft_vocab is None else self.draft_vocab[index]
+
     def embed(self, ids: torch.Tensor) -> torch.Tensor:  # (...,) -> (..., H)
         x = self.embed_tokens(ids)
         if self.spec.embed_scale != 1.0:
@@ -165,8 +207,8 @@ class DSparkModel(nn.Module):
     def project_context(self, features: torch.Tensor) -> torch.Tensor:  # (n, F) -> (n, H)
         return self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
 
-    def context_kv(self, layer_idx: int, context: torch.Tensor, positions: torch.Tensor
-                   ) -> tuple[torch.Tensor, torch.Tensor]:  # (n, H), (n,) -> k, v (Hkv, n, D)
+    def context_kv(self, layer_idx: int, context: torch.Tensor, positions: RopeInput
+                   ) -> tuple[torch.Tensor, torch.Tensor]:  # (n, H), (n,) or its (cos, sin) -> k, v (Hkv, n, D)
         k, v = self.layers[layer_idx].self_attn.project_kv(context, positions)
         return k.transpose(0, 1), v.transpose(0, 1)
 
@@ -176,11 +218,13 @@ class DSparkModel(nn.Module):
         positions: torch.Tensor,  # (Q,) RoPE positions
         groups: list[AttentionGroup],
     ) -> torch.Tensor:  # (Q, H) final-normed hidden states h_k
+        rope = Rope(positions)  # cos/sin once per forward, shared by the layers
         for layer_idx, layer in enumerate(self.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
-            q = attn.project_q(h, positions)  # (Q, Hq, D)
-            k, v = attn.project_kv(h, positions)  # (Q, Hkv, D)
+            cos_sin = rope.for_layer(attn, h.dtype)
+            q = attn.project_q(h, cos_sin)  # (Q, Hq, D)
+            k, v = attn.project_kv(h, cos_sin)  # (Q, Hkv, D)
             outs, offset = [], 0
             for g in groups:
                 sl = slice(offset, offset + g.num_queries)
@@ -194,36 +238,37 @@ class DSparkModel(nn.Module):
         return self.norm(x)
 
     def base_logits(self, hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """U_k: (..., H) -> (..., V); with ``rows`` (S, H), some rows of the LM head, -> (..., S) for those only."""
+        """U_k: (..., H) -> (..., W); with ``rows`` (M, H), some rows of the LM head, -> (..., M) for those only."""
         out = self.lm_head(hidden) if rows is None else F.linear(hidden, rows)
         if self.spec.final_softcap:
             out = torch.tanh(out / self.spec.final_softcap) * self.spec.final_softcap
         return out
 
     def draft_logits(self, hidden: torch.Tensor, latent: torch.Tensor | None) -> torch.Tensor:
-        """U_k + B_k, eq. (4): (..., H), (..., r) -> (..., V)."""
+        """U_k + B_k, eq. (4): (..., H), (..., r) -> (..., W)."""
         logits = self.base_logits(hidden)
         if latent is not None:
             logits = logits + self.markov_head.bias(latent).to(logits.dtype)
         return logits
 
     def confidence_logits(self, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor | None:
-        """Raw confidence logits, eq. (7): (..., H), (...,) -> (...,)."""
+        """Raw confidence logits, eq. (7): (..., H), (...,) token ids x_{k-1} -> (...,)."""
         if self.confidence_head is None:
             return None
         feats = hidden
         if self.config.confidence_head_with_markov:
-            feats = torch.cat([hidden, self.markov_head.prev_embed(prev).to(hidden.dtype)], dim=-1)
+            e = self.markov_head.prev_embed(self.draft_index(prev)).to(hidden.dtype)  # (..., r)
+            feats = torch.cat([hidden, e], dim=-1)
         return self.confidence_head(feats).float()
 
     def head_step(
         self,
         state: torch.Tensor | None,  # (N, r) RNN state or None
         hidden: torch.Tensor,  # (N, H) h_k
-        prev: torch.Tensor,  # (N,) x_{k-1}
-        base: torch.Tensor | None = None,  # (N, V) U_k when the caller computed it already
-        candidates: torch.Tensor | None = None,  # (N, M) token ids: add B_k there only, -inf elsewhere
-    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:  # state, logits (N, V), confidence (N,)
+        prev: torch.Tensor,  # (N,) x_{k-1}, token ids
+        base: torch.Tensor | None = None,  # (N, W) U_k when the caller computed it already
+        candidates: torch.Tensor | None = None,  # (N, M) draft indices w: add B_k there only, -inf elsewhere
+    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:  # state, logits (N, W), confidence (N,)
         """One left-to-right step of the sequential head (inference), eq. (4).
 
         With ``candidates`` the step drafts from the M tokens given (in practice the top M of U_k): their
@@ -233,7 +278,7 @@ class DSparkModel(nn.Module):
         """
         latent = None
         if self.markov_head is not None:
-            state, latent = self.markov_head.step(state, hidden, prev)
+            state, latent = self.markov_head.step(state, hidden, self.draft_index(prev))
         if base is None:
             base = self.base_logits(hidden)
         if latent is None:
@@ -250,6 +295,9 @@ class DSparkModel(nn.Module):
     def forward(self, sample: TrainSample, generator: torch.Generator | None = None) -> DSparkOutputs:
         """Teacher-forced outputs of up to ``num_anchors`` blocks drawn with ``generator`` (the loss is
         ``DSparkLoss``'s job)."""
+        if self.config.slot_offset:
+            raise ValueError("this drafter uses the anchor + k slot convention (docs/interop.md §Slot conventions); "
+                             "it decodes here but cannot be trained or fine-tuned: train a new drafter")
         anchors = sample_anchors(sample.loss_mask, self.config.num_anchors, generator)
         if anchors.numel() == 0:
             return DSparkOutputs(anchors)
@@ -262,24 +310,26 @@ class DSparkModel(nn.Module):
         A = blocks.num_blocks
         ctx_len = int(anchors.max()) if A else 0  # no block sees context at or after its anchor
         context = self.project_context(sample.target_features[:ctx_len])  # (ctx_len, H)
-        ctx_pos = torch.arange(ctx_len, device=anchors.device)
+        ctx_rope = Rope(torch.arange(ctx_len, device=anchors.device))
         group = AttentionGroup(
-            A * G, lambda layer_idx: self.context_kv(layer_idx, context, ctx_pos),
+            A * G, lambda i: self.context_kv(i, context, ctx_rope.for_layer(self.layers[i].self_attn, context.dtype)),
             block_attention_mask(anchors, ctx_len, G),
         )
         x = self.embed(blocks.block_ids.flatten())  # (Q, H)
         hidden = self.backbone(x, blocks.positions.flatten(), [group]).view(A, G, -1)
-        latents = self.markov_head.latents(hidden, blocks.prev_tokens) if self.markov_head is not None else None
+        prev = self.draft_index(blocks.prev_tokens)  # (A, G) w of x_{k-1}, -1 outside the draft vocabulary
+        latents = self.markov_head.latents(hidden, prev) if self.markov_head is not None else None
         conf = self.confidence_logits(hidden, blocks.prev_tokens)
         return DSparkOutputs(anchors, blocks, hidden, latents, conf)
 
-    def block_logits(self, sample: TrainSample, anchors: torch.Tensor) -> torch.Tensor:  # (A, G, V)
-        """Teacher-forced Markov-corrected logits of every slot (tests, analysis; materialises A*G*V)."""
+    def block_logits(self, sample: TrainSample, anchors: torch.Tensor) -> torch.Tensor:  # (A, G, W)
+        """Teacher-forced Markov-corrected logits of every slot (tests, analysis; materialises A*G*W)."""
         out = self.block_outputs(sample, anchors)
         return self.draft_logits(out.hidden, out.latents)
 
-    def target_logits(self, target_hidden: torch.Tensor) -> torch.Tensor:  # (m, H) -> (m, V)
-        """The target's logits from its final-normed hidden state, through the shared (frozen) LM head."""
+    def target_logits(self, target_hidden: torch.Tensor) -> torch.Tensor:  # (m, H) -> (m, W)
+        """The target's logits from its final-normed hidden state, through the shared (frozen) LM head
+        (over the draft vocabulary: normalise with the target's full-vocabulary log-sum-exp, see loss.py)."""
         return self.base_logits(target_hidden.to(self.lm_head.weight.dtype))
 
     def trainable_parameters(self) -> list[nn.Parameter]:
@@ -292,6 +342,9 @@ class DSparkModel(nn.Module):
     def hf_config(self) -> dict[str, Any]:
         """config.json in DeepSpec's layout: the target config plus top-level draft keys (docs/interop.md §Drafter checkpoints)."""
         cfg = self.config
+        if cfg.slot_offset:
+            raise ValueError("an anchor + k checkpoint converted for decoding cannot be saved in DeepSpec's layout, "
+                             "whose slot k predicts anchor + k + 1 (docs/interop.md §Slot conventions)")
         n = self.spec.num_layers
         out = copy.deepcopy(self.base_config)
         out.update({
@@ -306,6 +359,7 @@ class DSparkModel(nn.Module):
             "num_anchors": cfg.num_anchors,
             "enable_confidence_head": cfg.enable_confidence_head,
             "markov_rank": cfg.markov_rank,
+            "target_fingerprint": self.target_fingerprint,
             # training settings (not in DeepSpec's config.json; harmless extra keys, used to resume)
             "loss_decay_gamma": cfg.loss_decay_gamma,
             "ce_loss_alpha": cfg.ce_loss_alpha,
@@ -318,8 +372,30 @@ class DSparkModel(nn.Module):
             out["confidence_head_with_markov"] = cfg.confidence_head_with_markov
         if cfg.markov_rank > 0:
             out["markov_head_type"] = cfg.markov_head_type
+        out.pop("draft_vocab_size", None)
+        if self.draft_vocab is not None:
+            out["draft_vocab_size"] = self.draft_size
         return out
 
     def save_checkpoint(self, folder: Path, dtype: torch.dtype = torch.float32) -> None:
-        """Write model.safetensors + config.json into ``folder`` (DeepSpec saves bf16; pass dtype=torch.bfloat16)."""
-        write_checkpoint(Path(folder), self.state_dict(), self.hf_config(), dtype)
+        """Write model.safetensors + config.json into ``folder`` (DeepSpec saves bf16; pass dtype=torch.bfloat16).
+
+        With a draft vocabulary the frozen embed_tokens and lm_head are left out (the loader copies them
+        from the target) and ``draft_vocab`` (W,) int64 is stored: a DSpark-only checkpoint. Without one
+        every tensor is written, DeepSpec's layout."""
+        state = self.state_dict()
+        if self.draft_vocab is not None:
+            state = {k: v for k, v in state.items() if not k.startswith(FROZEN_PREFIXES)}
+        write_checkpoint(Path(folder), state, self.hf_config(), dtype)
+
+
+def check_head_tensors(what: str, saved: set[str], expected: set[str], config: DSparkConfig) -> None:
+    """ModelLoadError when the checkpoint's head tensors are not those its config.json's head settings build:
+    a gated or RNN head read as vanilla, or a confidence head that would be dropped, must not load silently."""
+    heads = ("markov_head.", "confidence_head.")
+    extra = sorted(k for k in saved if k.startswith(heads) and k not in expected)
+    if extra:
+        raise ModelLoadError(
+            f"{what}: the checkpoint holds {extra[:3]} but config.json (markov_rank {config.markov_rank}, "
+            f"markov_head_type {config.markov_head_type!r}, enable_confidence_head {config.enable_confidence_head}) "
+            "builds no such tensor; the config and weights disagree")

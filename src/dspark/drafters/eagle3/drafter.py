@@ -104,7 +104,7 @@ class Eagle3Drafter:
 def load_eagle3_drafter(path: str | Path, target, block_size: int | None = None) -> Eagle3Drafter:
     """Load an Eagle3 checkpoint (DeepSpec layout) as a drafter for ``target``; block_size None = checkpoint's."""
     model = Eagle3Model.from_checkpoint(Path(path), target)
-    return Eagle3Drafter(model.to(target.dtype), block_size)
+    return Eagle3Drafter(model.to(device=target.device, dtype=target.dtype), block_size)
 
 
 def load_with_options(path: Path, target, options: DraftingOptions) -> Eagle3Drafter:

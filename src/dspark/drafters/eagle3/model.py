@@ -151,8 +151,11 @@ class Eagle3Model(nn.Module):
     def from_checkpoint(cls, folder: Path, target=None) -> "Eagle3Model":
         folder = Path(folder)
         cfg_dict = read_config(folder)
-        if cfg_dict.get("target_layer_ids") is None:
-            raise ModelLoadError(f"{folder}/config.json lacks 'target_layer_ids': not an Eagle3 checkpoint")
+        if cfg_dict.get("target_layer_ids") is None:  # SpecForge/SGLang/vLLM EAGLE-3 (midlayer.*, d2t) included
+            raise ModelLoadError(
+                f"{folder}/config.json lacks 'target_layer_ids': not an Eagle3 checkpoint in DeepSpec's layout "
+                "(an engine's LlamaForCausalLMEagle3 folder, with eagle_aux_hidden_state_layer_ids and midlayer.*, "
+                "is not read here)")
         try:
             n_layers = int(cfg_dict.get("draft_num_hidden_layers", cfg_dict["num_hidden_layers"]))
             config = Eagle3Config(
