@@ -8,8 +8,8 @@
 set -euo pipefail
 DSPARK=${DSPARK:-.venv/bin/dspark}
 R=${RUN:-runs/ref}
-NUM=${NUM:-NUM_SHIPPED}             # prompts regenerated (the first NUM of the 3,000; see the checkpoint README)
-TRAIN_S=${TRAIN_S:-TRAIN_S_SHIPPED} # seconds of training per drafter
+NUM=${NUM:-560}         # prompts regenerated: the first NUM of the 3,000 (what the shipped drafter saw)
+TRAIN_S=${TRAIN_S:-2200} # seconds of training per drafter, both side by side on one thread each
 D="$DSPARK --threads 1"
 mkdir -p "$R"
 [ -f "$R/prompts.jsonl" ] || $D data prompts --out "$R/prompts.jsonl" --num 3000 --seed 11
@@ -25,6 +25,11 @@ common=(--set "data=$R/tok" --set feature_source=cache --set "cache_dir=$R/featu
 $D train --config smollm2-dspark-markov --drafter dspark --out "$R/dspark" --resume "${common[@]}" &
 $D train --config smollm2-dflash --drafter dflash --out "$R/dflash" --resume "${common[@]}" &
 wait
-# package: bf16, without the frozen embedding/LM head (loaded from the target), draft vocabulary inside
-$DSPARK export-vocab --checkpoint "$R/dspark/step_latest" --vocab "$R/dspark/draft-vocab.json" \
-  --out checkpoints/smollm2-135m-dspark --dtype bfloat16
+# package: the trained checkpoint already carries its draft vocabulary and leaves out the frozen embedding and
+# LM head (loaded from the target); written again in bf16 into the repository
+.venv/bin/python - "$R/dspark/step_latest" checkpoints/smollm2-135m-dspark <<'PY'
+import sys, torch
+from dspark.drafters.dspark.model import DSparkModel
+from dspark.target.model import load_target
+DSparkModel.from_checkpoint(sys.argv[1], load_target("smollm2-135m")).save_checkpoint(sys.argv[2], torch.bfloat16)
+PY

@@ -79,3 +79,25 @@ def save_chat_target(folder: Path, **overrides) -> tuple[Path, object]:
                                        bos_token_id=tokenizer.bos_token_id, **overrides))
     tokenizer.save_pretrained(folder)
     return folder, tokenizer
+
+
+def smollm2_tokenizer():
+    """SmolLM2's real tokenizer (and chat template); skips the calling test when it is not prepared."""
+    import pytest
+
+    from dspark.errors import ModelLoadError
+    from dspark.target.convert import resolve_model_path
+    from dspark.target.model import load_tokenizer
+
+    try:
+        return load_tokenizer(resolve_model_path("smollm2-135m"))
+    except ModelLoadError as err:
+        pytest.skip(f"SmolLM2 tokenizer unavailable: {err}")
+
+
+def tiny_smollm2_target(context: int = 4096, **overrides) -> TargetModel:
+    """A tiny random target with SmolLM2's vocabulary behind SmolLM2's real tokenizer: the real text path in seconds."""
+    kw = dict(vocab_size=49152, num_hidden_layers=2, max_position_embeddings=context, eos_token_id=2)
+    target = tiny_target(**{**kw, **overrides})
+    target.tokenizer = smollm2_tokenizer()
+    return target

@@ -15,10 +15,10 @@ import pytest
 
 from dspark.data.regenerate import error_path, regenerate
 from dspark.data.regenerate_http import RetryPolicy, ServerError, api_base, regenerate_over_http
-from dspark.errors import DSparkError, ModelLoadError
+from dspark.errors import DSparkError
 from dspark.serving.engine import Engine, EngineConfig
 from dspark.serving.server import ServerConfig, ServerThread, create_app
-from tests.tiny import tiny_target
+from tests.tiny import smollm2_tokenizer, tiny_target
 
 MODEL = "tiny-smollm2"
 KEY = "sk-regen"
@@ -36,13 +36,7 @@ RECORDS = [
 
 @pytest.fixture(scope="module")
 def target():
-    from dspark.target.convert import resolve_model_path
-    from dspark.target.model import load_tokenizer
-
-    try:
-        tokenizer = load_tokenizer(resolve_model_path("smollm2-135m"))
-    except ModelLoadError as err:
-        pytest.skip(f"SmolLM2 tokenizer unavailable: {err}")
+    tokenizer = smollm2_tokenizer()
     t = tiny_target(vocab_size=49152, num_hidden_layers=2, max_position_embeddings=2048, eos_token_id=2)
     t.tokenizer = tokenizer
     return t

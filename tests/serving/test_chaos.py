@@ -17,11 +17,10 @@ import pytest
 
 from dspark.bench.chaos import API_KEY, LogCounter, run_corpus
 from dspark.bench.chaos_corpus import corpus
-from dspark.errors import ModelLoadError
 from dspark.serving.engine import Engine, EngineConfig
 from dspark.serving.limits import uvicorn_limits
 from dspark.serving.server import ServerConfig, ServerThread, create_app
-from tests.tiny import tiny_target
+from tests.tiny import smollm2_tokenizer, tiny_target
 
 MODEL = "tiny-smollm2"
 CONTEXT = 4096
@@ -32,13 +31,7 @@ HOL_FACTOR = 20  # generous: chunks of 64 measure ~2x here, the prompt in one pi
 
 @pytest.fixture(scope="module")
 def server():
-    from dspark.target.convert import resolve_model_path
-    from dspark.target.model import load_tokenizer
-
-    try:
-        tokenizer = load_tokenizer(resolve_model_path("smollm2-135m"))
-    except ModelLoadError as err:
-        pytest.skip(f"SmolLM2 tokenizer unavailable: {err}")
+    tokenizer = smollm2_tokenizer()
     target = tiny_target(vocab_size=49152, num_hidden_layers=2, max_position_embeddings=CONTEXT, eos_token_id=2)
     target.tokenizer, target.eos_token_ids = tokenizer, []  # streams run their full length
     engine = Engine(target, None, None, EngineConfig(max_batch=4, max_queue=8, prefill_chunk=64))

@@ -17,7 +17,6 @@ import pytest
 
 from dspark.drafters.draft_lm.drafter import DraftModelDrafter
 from dspark.drafters.prompt_lookup import PromptLookupDrafter
-from dspark.errors import ModelLoadError
 from dspark.generation.generator import SpeculativeGenerator
 from dspark.sampling.processing import SamplingParams
 from dspark.serving.engine import Engine, EngineConfig
@@ -26,7 +25,7 @@ from dspark.serving.params import SamplingDefaults
 from dspark.serving.protocol import CHAT_UNSUPPORTED, COMPLETION_UNSUPPORTED, ANY
 from dspark.serving.server import ServerConfig, ServerThread, create_app
 from dspark.serving.text import IncrementalDecoder, TextStream
-from tests.tiny import tiny_target
+from tests.tiny import smollm2_tokenizer, tiny_target
 
 MODEL = "tiny-parity"
 CONTEXT = 160
@@ -40,13 +39,7 @@ REPEATING = "one two three four five six seven. one two three four five six seve
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from dspark.target.convert import resolve_model_path
-    from dspark.target.model import load_tokenizer
-
-    try:
-        tok = load_tokenizer(resolve_model_path("smollm2-135m"))
-    except ModelLoadError as err:
-        pytest.skip(f"SmolLM2 tokenizer unavailable: {err}")
+    tok = smollm2_tokenizer()
     tok.chat_template = THINKING_TEMPLATE
     return tok
 

@@ -16,7 +16,6 @@ import openai
 import pytest
 
 from dspark.drafters.prompt_lookup import PromptLookupDrafter
-from dspark.errors import ModelLoadError
 from dspark.generation.generator import SpeculativeGenerator
 from dspark.sampling.processing import SamplingParams
 from dspark.scheduler.sps import SPSTable
@@ -26,7 +25,7 @@ from dspark.serving.metrics import metric_sum, parse_prometheus
 from dspark.scheduler.adapter import make_policy
 from dspark.serving.server import ServerConfig, ServerThread, create_app
 from dspark.serving.text import TextStream
-from tests.tiny import tiny_target
+from tests.tiny import smollm2_tokenizer, tiny_target
 
 MODEL = "tiny-smollm2"
 KEY = "sk-test-key"
@@ -35,13 +34,7 @@ CONTEXT = 4096
 
 @pytest.fixture(scope="module")
 def target():
-    from dspark.target.convert import resolve_model_path
-    from dspark.target.model import load_tokenizer
-
-    try:
-        tokenizer = load_tokenizer(resolve_model_path("smollm2-135m"))
-    except ModelLoadError as err:
-        pytest.skip(f"SmolLM2 tokenizer unavailable: {err}")
+    tokenizer = smollm2_tokenizer()
     t = tiny_target(vocab_size=49152, num_hidden_layers=2, max_position_embeddings=CONTEXT, eos_token_id=2)
     t.tokenizer = tokenizer
     return t
