@@ -252,7 +252,8 @@ def _bench_speed(args: argparse.Namespace) -> int:
     else:
         set_threads(getattr(args, "threads", None))
         device, dtype = resolve_target_args(args)
-        for name in ("per_set", "max_new_tokens", "prompt_lookup_tokens", "warmup_tokens", "max_prompt_tokens"):
+        for name in ("per_set", "max_new_tokens", "prompt_lookup_tokens", "warmup_tokens", "max_prompt_tokens",
+                     "hybrid_min_ngram"):
             if getattr(args, name) < 1:
                 raise DSparkError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
         cfg = SpeedConfig(

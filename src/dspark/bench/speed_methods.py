@@ -220,7 +220,7 @@ def build_methods(target, cfg: SpeedConfig, log=print, compiled_target=None) -> 
                 from dspark.drafters.hybrid import HybridDrafter
 
                 methods.append(ours_method(f"{last[0]}+hybrid", target, HybridDrafter(
-                    last[1], target.vocab_size, min_ngram=cfg.hybrid_min_ngram, max_ngram=max(cfg.hybrid_min_ngram, 4)),
+                    last[1], target.vocab_size, min_ngram=cfg.hybrid_min_ngram),
                     f"prompt lookup where the context repeats a {cfg.hybrid_min_ngram}-gram, else {last[0]} (--hybrid)"))
             twins.append(last)  # the compiled twin of each drafter row: its cheapest-drafting variant
     if compiled_target is not None:  # drafters read no target weights while drafting: shared with the twin

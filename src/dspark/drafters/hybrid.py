@@ -39,10 +39,12 @@ class HybridDrafter:
     model_drafter: Drafter  # the trained drafter (DSpark, DFlash, Eagle3, a draft LM)
     vocab_size: int
     min_ngram: int = 3  # shortest suffix n-gram whose earlier occurrence is trusted
-    max_ngram: int = 4
+    max_ngram: int | None = None  # longest n-gram tried first (None: max(min_ngram, 4))
     lookup_confidence_logit: float = 4.0  # sigmoid ~ 0.98
 
     def __post_init__(self) -> None:
+        if self.max_ngram is None:
+            self.max_ngram = max(self.min_ngram, 4)
         if not 1 <= self.min_ngram <= self.max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram} and {self.max_ngram}")
         self.block_size = self.model_drafter.block_size

@@ -49,6 +49,13 @@ def torch_dtype(name: str):
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
 
 
+def _positive(text: str) -> int:
+    value = _count(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {value}")
+    return value
+
+
 def _count(text: str) -> int:
     try:
         value = int(text)
@@ -91,7 +98,7 @@ def add_drafter_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hybrid", action="store_true",
                    help="hybrid drafting: where the context already contains the last N tokens, draft what followed "
                    "them (prompt lookup), elsewhere the trained drafter; still lossless (default: off)")
-    p.add_argument("--hybrid-min-ngram", type=_count, default=3, metavar="N",
+    p.add_argument("--hybrid-min-ngram", type=_positive, default=3, metavar="N",
                    help="with --hybrid: the shortest repeated n-gram that switches a step to prompt lookup "
                    "(default: %(default)s)")
 

@@ -148,6 +148,5 @@ def load_drafter(spec: str, target, options: DraftingOptions | None = None) -> D
     if options.hybrid:  # prompt lookup where the context repeats itself, this drafter elsewhere
         from dspark.drafters.hybrid import HybridDrafter
 
-        drafter = HybridDrafter(drafter, target.vocab_size, min_ngram=options.hybrid_min_ngram,
-                                max_ngram=max(options.hybrid_min_ngram, 4))
+        drafter = HybridDrafter(drafter, target.vocab_size, min_ngram=options.hybrid_min_ngram)
     return drafter

@@ -127,7 +127,7 @@ def run_demo(args: argparse.Namespace) -> int:
         "prompt lookup": PromptLookupDrafter(target.vocab_size, 7),
         "DSpark": dspark,
         f"hybrid (lookup on {args.hybrid_min_ngram}-gram repeats, else DSpark)": HybridDrafter(
-            dspark, target.vocab_size, min_ngram=args.hybrid_min_ngram, max_ngram=max(args.hybrid_min_ngram, 4)),
+            dspark, target.vocab_size, min_ngram=args.hybrid_min_ngram),
     }
     prompts = []
     for name in DEMO_SETS:
