@@ -33,3 +33,39 @@ from dspark.drafters.dspark.model import DSparkModel
 from dspark.target.model import load_target
 DSparkModel.from_checkpoint(sys.argv[1], load_target("smollm2-135m")).save_checkpoint(sys.argv[2], torch.bfloat16)
 PY
+
+# ---- stage 2: more answers, a warm start ---------------------------------------------------------------------
+# The answers to the next prompts (the first NUM2 of the 3,000) go into a feature cache of their own; DSpark then
+# trains on both caches (cache_dir as a list), starting from stage 1's weights with a fresh optimizer and LR schedule
+# (--init-from) for TRAIN2_S seconds on THREADS2 threads. Skipped unless NUM2 > NUM.
+NUM2=${NUM2:-0}
+TRAIN2_S=${TRAIN2_S:-2400}
+THREADS2=${THREADS2:-1}
+if [ "$NUM2" -gt "$NUM" ]; then
+  $D data regenerate --prompts "$R/prompts.jsonl" --out "$R/regenerated.jsonl" --limit "$NUM2" \
+    --batch-size 32 --max-new-tokens 256 --seed 11
+  if [ ! -f "$R/tok2/manifest.json" ]; then
+    # the records of prompts NUM+1..NUM2 (the engine writes them in the order they finish)
+    .venv/bin/python - "$R/prompts.jsonl" "$R/regenerated.jsonl" "$NUM" "$NUM2" "$R/regenerated2.jsonl" <<'PY'
+import json, sys
+prompts, regen, lo, hi, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+ids = [json.loads(line)["id"] for line in open(prompts, encoding="utf-8")]
+wanted = set(ids[lo:hi]) - set(ids[:lo])
+with open(out, "w", encoding="utf-8") as f:
+    f.writelines(line for line in open(regen, encoding="utf-8") if json.loads(line)["id"] in wanted)
+PY
+    $D data tokenize --in "$R/regenerated2.jsonl" --target smollm2-135m --out "$R/tok2" --max-length 512
+  fi
+  [ -f "$R/features2/DONE" ] || { $DSPARK --threads "$THREADS2" data features --config smollm2-dspark-markov \
+    --data "$R/tok2" --out "$R/features2" --max-length 512 && touch "$R/features2/DONE"; }
+  $DSPARK --threads "$THREADS2" train --config smollm2-dspark-markov --drafter dspark --out "$R/dspark2" --resume \
+    --init-from "$R/dspark/step_latest" --set "cache_dir=[\"$R/features\", \"$R/features2\"]" \
+    --set feature_source=cache --set max_length=512 --set dtype=bfloat16 --set epochs=200 \
+    --set "time_budget_s=$TRAIN2_S" --set checkpoint_every=100 --set keep_checkpoints=100
+  .venv/bin/python - "$R/dspark2/step_latest" checkpoints/smollm2-135m-dspark <<'PY'
+import sys, torch
+from dspark.drafters.dspark.model import DSparkModel
+from dspark.target.model import load_target
+DSparkModel.from_checkpoint(sys.argv[1], load_target("smollm2-135m")).save_checkpoint(sys.argv[2], torch.bfloat16)
+PY
+fi

@@ -7,37 +7,63 @@
 # Steps already done (their output file exists) are skipped.
 set -euo pipefail
 DSPARK=${DSPARK:-.venv/bin/dspark}
-OUT=runs/simval
+OUT=${OUT:-runs/simval}
 mkdir -p $OUT
 MAX_TOKENS=32
-# verify steps: every batch-token count 1..32 (up to 4 requests x 8 tokens); prefill: multiples of 64 up to 512
+NUM_REQUESTS=8
+uptime
+# one prompt file for the eval (drafter statistics and length trace) and the load test: the first prompt of
+# each packaged evaluation set, in the load test's own round-robin order
+if [ ! -f $OUT/prompts.jsonl ]; then
+  ${PYTHON:-.venv/bin/python} -c "
+import json, sys
+from dspark.bench.serve_load import load_prompts
+for p in load_prompts(None, limit=$NUM_REQUESTS): print(json.dumps({'turns': [p]}))" > $OUT/prompts.jsonl.tmp
+  mv $OUT/prompts.jsonl.tmp $OUT/prompts.jsonl
+fi
+# verify steps: every batch-token count 1..32 (up to 4 requests x 8 tokens); prefill: one request's chunk of 64,
+# 128, ..., 512 tokens (the engine feeds at most 256 per iteration)
 if [ ! -f $OUT/sps_verify.json ]; then
   $DSPARK --threads 1 profile --block-size 7 --max-requests 4 --context-len 128 --dense --repeats 3 \
     --out $OUT/sps_verify.json
 fi
 if [ ! -f $OUT/sps_prefill.json ]; then
-  $DSPARK --threads 1 profile --block-size 63 --max-requests 8 --context-len 64 --repeats 3 \
+  $DSPARK --threads 1 profile --prefill --block-size 63 --max-requests 8 --context-len 0 --repeats 3 \
     --out $OUT/sps_prefill.json
 fi
 if [ ! -f $OUT/eval/results.json ]; then
-  $DSPARK --threads 1 eval --drafter pld=prompt-lookup --datasets all --limit 2 --max-new-tokens $MAX_TOKENS \
+  $DSPARK --threads 1 eval --drafter pld=prompt-lookup --jsonl val=$OUT/prompts.jsonl --max-new-tokens $MAX_TOKENS \
+    --temperature 0 \
     --out $OUT/eval --no-progress
 fi
 if [ ! -f $OUT/serve/serve_load.json ]; then
   $DSPARK bench serve --drafter prompt-lookup --sps-table $OUT/sps_verify.json --threads 1 \
-    --policies fixed:1,alg1,all --concurrency 1,2,4 --num-requests 4 --max-tokens $MAX_TOKENS --out-dir $OUT/serve
+    --policies fixed:1,alg1,all --concurrency 1,2,4 --num-requests $NUM_REQUESTS --max-tokens $MAX_TOKENS \
+    --temperature 0 --prompts $OUT/prompts.jsonl --out-dir $OUT/serve
 fi
 # the same tables again right after the load test: on a shared machine the step time drifts with the other jobs
 if [ ! -f $OUT/sps_verify_after.json ]; then
   uptime
   $DSPARK --threads 1 profile --block-size 7 --max-requests 4 --context-len 128 --dense --repeats 3 \
     --out $OUT/sps_verify_after.json
-  $DSPARK --threads 1 profile --block-size 63 --max-requests 4 --context-len 64 --repeats 3 \
+  $DSPARK --threads 1 profile --prefill --block-size 63 --max-requests 8 --context-len 0 --repeats 3 \
     --out $OUT/sps_prefill_after.json
   uptime
 fi
-for tag in "" _after; do
-  $DSPARK --threads 1 simulate --sps-table $OUT/sps_verify$tag.json --prefill-sps-table $OUT/sps_prefill$tag.json \
-    --stats $OUT/eval/results.json --drafter-name pld --trace $OUT/eval/samples.jsonl --users 1,2,4 \
-    --num-requests 4 --policies fixed:1,alg1,all --compare $OUT/serve/serve_load.json --out-dir $OUT/sim$tag
+# simulated with the tables profiled before and after the load test, and with the tables the load test itself
+# observed (bench serve's observed_*_sps.json: 1 / median seconds of the engine's own steps and prefill chunks at
+# each batch-token count, so the machine's load during the run is in the timing); alg1 plans on the table its
+# server was given (--policy-sps-table) in every variant. Request i of the simulation drafts as eval record i did
+# (--per-request-stats): the same prompt as the load test's request i, decoded greedily, so the same proposals
+for tag in "" _after _observed; do
+  if [ "$tag" = _observed ]; then
+    verify=$OUT/serve/observed_verify_sps.json prefill=$OUT/serve/observed_prefill_sps.json
+  else
+    verify=$OUT/sps_verify$tag.json prefill=$OUT/sps_prefill$tag.json
+  fi
+  $DSPARK --threads 1 simulate --sps-table $verify --prefill-sps-table $prefill \
+    --policy-sps-table $OUT/sps_verify.json \
+    --per-request-stats --drafter-name pld --trace $OUT/eval/samples.jsonl --users 1,2,4 \
+    --num-requests $NUM_REQUESTS --policies fixed:1,alg1,all --compare $OUT/serve/serve_load.json --out-dir $OUT/sim$tag
 done
+uptime

@@ -300,3 +300,15 @@ def test_cuda_target_defaults_to_bf16_and_checkpoint_drafters_follow_it(tmp_path
         drafter = load_drafter(str(tmp_path / kind), target, DraftingOptions())
         weight = next(drafter.model.parameters())
         assert weight.is_cuda and weight.dtype == torch.bfloat16, kind
+
+
+# ---------------------------------------------------------------- --threads
+
+@pytest.mark.parametrize("command", list(MODEL_COMMANDS))
+def test_the_global_threads_flag_reaches_every_model_command(command):
+    """`dspark --threads 1 COMMAND`: a command's own --threads must not reset the global value to None (argparse
+    lets a subparser's default overwrite it), or the command runs on torch's default thread count unnoticed."""
+    parsed = build_parser().parse_args(["--threads", "1", *MODEL_COMMANDS[command]])
+    assert parsed.threads == 1
+    if command in ("profile", "serve", "bench serve", "bench speed"):  # their own flag still works
+        assert build_parser().parse_args([*MODEL_COMMANDS[command], "--threads", "3"]).threads == 3

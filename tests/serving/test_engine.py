@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import statistics
 import time
 
 import pytest
@@ -221,6 +222,42 @@ def test_stats_track_batches(target, drafter):
     # tau = accepted + 1 per request-step, except a step ending on an accepted stop token (once per request)
     assert s.accepted_tokens + s.request_steps - 4 <= s.committed_tokens <= s.accepted_tokens + s.request_steps
     assert all(h.stats.num_steps >= 1 for h in handles)
+
+
+def test_step_times_record_every_pass_by_batch_tokens(target, drafter):
+    """Every engine step is timed under its batch tokens B = sum (1 + l_r), every prefill chunk under its
+    prompt tokens; the table is 1 / median seconds (an SGLang-format SPS table)."""
+    with Engine(target, drafter, make_policy("fixed:2"), EngineConfig(max_batch=2)) as engine:
+        handles = [engine.submit(p, SamplingParams(0.0, max_new_tokens=10)) for p in PROMPTS[:4]]
+        [h.result(30) for h in handles]
+        time.sleep(0.05)
+        s, seen = engine.stats(), engine.step_times.snapshot()
+    verify, prefill = seen["verify"], seen["prefill"]
+    assert sum(map(len, verify.values())) == s.steps
+    assert sum(b * len(ts) for b, ts in verify.items()) == s.request_steps + s.verified_tokens
+    assert sum(b * len(ts) for b, ts in prefill.items()) == s.prompt_tokens
+    assert set(verify) <= set(range(1, 2 * 3 + 1))  # at most 2 requests x (1 + 2) tokens
+    table = engine.step_times.table("verify")
+    assert table.sample_batch_tokens == tuple(verify) and table.max_batch_tokens == 2 * max(verify)
+    assert all(sps == pytest.approx(1 / statistics.median(verify[b]))
+               for b, sps in zip(table.sample_batch_tokens, table.sample_steps_per_sec))
+
+
+def test_step_times_keep_the_newest_and_merge():
+    from dspark.serving.engine_stats import StepTimes
+
+    times = StepTimes(keep=3)
+    for t in (9.0, 1.0, 2.0, 4.0):
+        times.add("verify", 5, t)
+    times.add("prefill", 64, 0.5)
+    assert times.snapshot() == {"verify": {5: [1.0, 2.0, 4.0]}, "prefill": {64: [0.5]}}
+    assert times.table("verify").sample_steps_per_sec == (0.5,) and times.table("verify", min_passes=4) is None
+    pooled = StepTimes()
+    pooled.merge(times)
+    pooled.merge(times)
+    assert pooled.summary()["verify"] == {"5": [6, 2.0]}
+    times.clear()
+    assert times.table("prefill") is None
 
 
 def test_dspark_drafter_confidence_head_through_the_engine(target):

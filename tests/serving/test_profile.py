@@ -46,6 +46,28 @@ def test_profile_target_builds_a_table_and_keeps_contexts():
         profile_target(target, block_size=3, max_requests=1, context_len=510)
 
 
+def test_prefill_profile_times_one_request_chunk_with_last_token_logits():
+    target = tiny_target()
+    calls = []
+    forward = target.forward
+
+    def spy(ids, seq_lens, caches, *args, **kwargs):
+        calls.append((list(seq_lens), [c.length for c in caches], kwargs.get("logits_for")))
+        return forward(ids, seq_lens, caches, *args, **kwargs)
+
+    target.forward = spy
+    table = profile_target(target, block_size=7, max_requests=3, context_len=0, repeats=2, warmup=1, prefill=True)
+    assert table.sample_batch_tokens == (8, 16, 24)
+    # one request per pass, B tokens into a cache rolled back to the context (empty here), last-token logits
+    assert [c[0] for c in calls] == [[8]] * 3 + [[16]] * 3 + [[24]] * 3
+    assert all(starts == [0] and logits == "last" for _, starts, logits in calls)
+    calls.clear()
+    profile_target(target, block_size=7, max_requests=1, context_len=16, repeats=1, warmup=0, prefill=True)
+    assert calls[0][2] == "none" and calls[1] == ([8], [16], "last")  # the context, then a chunk after it
+    with pytest.raises(ValueError, match="context"):
+        profile_target(target, block_size=7, max_requests=1, context_len=0, repeats=1)  # verify needs context
+
+
 def test_profile_cli_writes_sglang_json_and_engine_uses_it(tmp_path):
     folder = save_hf_folder(tmp_path / "tiny", tiny_config())
     out = tmp_path / "sps.json"

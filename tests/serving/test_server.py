@@ -283,7 +283,11 @@ def test_load_generator_and_report(server, tmp_path):
     assert row["requests"] == 3 and row["errors"] == 0
     assert row["total_tokens_per_s"] > 0 and row["user_tokens_per_s"] > 0
     assert row["acceptance_length"] >= 1.0 and row["avg_verify_len"] is not None
-    paths = write_report([row, {**row, "concurrency": 1}], {"config": {"target": MODEL}}, tmp_path, "dspark bench serve")
+    observed = server.engine.step_times.table("verify")  # what the engine saw during the point
+    meta = {"config": {"target": MODEL}, "observed_verify_sps": observed.to_dict(), "observed_prefill_sps": None}
+    paths = write_report([row, {**row, "concurrency": 1}], meta, tmp_path, "dspark bench serve")
     names = {p.name for p in paths}
-    assert {"serve_load.json", "serve_load.md", "throughput_vs_user_speed.png", "verify_budget.png"} <= names
+    assert {"serve_load.json", "serve_load.md", "throughput_vs_user_speed.png", "verify_budget.png",
+            "observed_verify_sps.json"} <= names and "observed_prefill_sps.json" not in names
     assert "| alg1 | 2 | 3 |" in (tmp_path / "serve_load.md").read_text()
+    assert SPSTable.load(tmp_path / "observed_verify_sps.json") == observed

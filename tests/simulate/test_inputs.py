@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -71,6 +72,15 @@ def test_cli_reports_bad_input_in_one_line(tmp_path, capsys) -> None:
     assert code == 2 and err.count("\n") == 0 and "stats.json" in err and "conditional_acceptance" in err
 
 
+def test_cli_refuses_a_file_as_out_dir_before_simulating(tmp_path, capsys) -> None:
+    SPSTable((1, 8), (10.0, 9.0), 8).save(tmp_path / "sps.json")
+    (tmp_path / "out").write_text("not a folder")
+    code = main(["simulate", "--sps-table", str(tmp_path / "sps.json"), "--stats", stats_file(tmp_path),
+                 "--users", "1", "--num-requests", "1", "--out-dir", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.count("\n") == 0 and "is a file, not a folder" in err
+
+
 def test_cli_writes_report(tmp_path) -> None:
     SPSTable((1, 8), (10.0, 9.0), 8).save(tmp_path / "sps.json")
     code = main(["simulate", "--sps-table", str(tmp_path / "sps.json"), "--stats", stats_file(tmp_path),
@@ -132,3 +142,78 @@ def test_roofline_table_is_flat_then_jagged_and_exact() -> None:
     flat = roof.ridge_tokens()
     assert 64 <= flat < 512 and times[flat - 1] == times[0] and times[flat] > times[0]
     assert all(b >= a for a, b in zip(times, times[1:]))  # never faster with more tokens
+
+
+def test_sampler_draws_bins_by_weight_and_acceptance_by_bin() -> None:
+    """DraftSampler against the stated frequencies: proposal lengths, confidence bins per (domain, position),
+    acceptance per bin (binomial bounds, 5 sigma); a shuffled table (negative control) fails the same check."""
+    import numpy as np
+
+    from dspark.simulate.stats import DraftSampler, stats_from_dict
+
+    bins = [[[0.2, 1.0, 0.1], [0.5, 2.0, 0.5], [0.9, 1.0, 0.95]], [[0.3, 3.0, 0.2], [0.7, 1.0, 0.8]]]
+    raw = {"kind": KIND, "name": "x", "block_size": 2, "domains": {
+        "math": {"weight": 1.0, "proposal_lengths": [1, 1, 2], "conditional_acceptance": [0.5125, 0.35],
+                 "confidence_bins": bins},
+        "chat": {"weight": 3.0, "proposal_lengths": [0, 0, 1], "conditional_acceptance": [0.3, 0.9],
+                 "confidence_bins": [[[0.4, 1.0, 0.3]], [[0.6, 1.0, 0.9]]]}}}
+    sampler = DraftSampler(stats_from_dict(raw))
+    rng = np.random.default_rng(0)
+    n = 40_000
+    domains = np.full(n, sampler.names.index("math"))
+    num_tokens, conf, accepted = sampler.draw(domains, rng)
+
+    def close(observed: float, p: float) -> bool:
+        return abs(observed - p) <= 5 * math.sqrt(p * (1 - p) / n) + 1e-12
+
+    assert all(close(float(np.mean(num_tokens == k)), p) for k, p in enumerate([0.25, 0.25, 0.5]))
+    for k, rows in enumerate(bins):
+        total = sum(w for _, w, _ in rows)
+        for c, w, acc in rows:
+            hit = conf[:, k] == c
+            assert close(float(hit.mean()), w / total)
+            assert abs(float(accepted[hit, k].mean()) - acc) <= 5 * math.sqrt(acc * (1 - acc) / hit.sum()) + 1e-12
+    chat = sampler.draw(np.full(1000, sampler.names.index("chat")), rng)
+    assert (chat[0] == 2).all() and (chat[1][:, 0] == 0.4).all() and (chat[1][:, 1] == 0.6).all()
+    # negative control: the first position's weights do not describe the second position's draws
+    assert not close(float(np.mean(conf[:, 1] == 0.3)), 1.0 / 4)
+
+
+def test_cli_policy_table_plans_while_the_sps_table_times(tmp_path) -> None:
+    """--policy-sps-table: alg1 plans on it (a steep table admits no drafts) while --sps-table still times."""
+    flat, steep = tmp_path / "flat.json", tmp_path / "steep.json"
+    SPSTable((1, 64), (10.0, 9.9), 64).save(flat)
+    SPSTable((1, 2), (10.0, 1.0), 64).save(steep)
+    stats = stats_file(tmp_path, conditional_acceptance=[0.9, 0.9])
+
+    def row(*extra):
+        out = tmp_path / f"out{len(extra)}"
+        assert main(["simulate", "--sps-table", str(flat), "--stats", stats, "--users", "1", "--num-requests", "2",
+                     "--output-len", "16", "--policies", "alg1", "--no-prefill", "--out-dir", str(out), *extra]) == 0
+        return json.loads((out / "simulate.json").read_text())["rows"][0]
+
+    own, planned = row(), row("--policy-sps-table", str(steep))
+    assert own["avg_verify_len"] > 1.0 and planned["avg_verify_len"] == 0.0
+    # timed by the flat table either way: the first token from the (free) prefill, then 15 one-token steps at 10/s
+    assert planned["total_tokens_per_s"] == pytest.approx(16 / 1.5)
+
+
+def test_per_request_statistics_follow_the_trace_records(tmp_path) -> None:
+    """--per-request-stats: request i drafts as trace record i did (one always accepts, one never), in trace order;
+    other drafters' records are left out; without --trace it is a one-line error."""
+    def record(drafter, accept):  # 4 steps each proposing 2 drafts, all or none accepted
+        counts = [[0, 0, 0], [0, 0, 0], [0, 0, 4]] if accept else [[0, 0, 0], [0, 0, 0], [4, 0, 0]]
+        return {"drafter": drafter, "dataset": "d", "prompt_tokens": 8, "new_tokens": 12,
+                "stats": {"block_size": 2, "counts": counts, "sum_acceptance_length": 12 if accept else 4}}
+
+    trace = tmp_path / "samples.jsonl"
+    trace.write_text("\n".join(json.dumps(r) for r in [record("pld", True), record("other", False),
+                                                        record("pld", False)]) + "\n")
+    SPSTable((1, 64), (10.0, 10.0), 64).save(tmp_path / "sps.json")
+    base = ["simulate", "--sps-table", str(tmp_path / "sps.json"), "--trace", str(trace), "--drafter-name", "pld",
+            "--users", "1", "--num-requests", "2", "--policies", "all", "--no-prefill"]
+    assert main([*base, "--per-request-stats", "--out-dir", str(tmp_path / "out")]) == 0
+    row = json.loads((tmp_path / "out" / "simulate.json").read_text())["rows"][0]
+    # request 1 commits 3 tokens per step (11 after its first), request 2 one per step: 4 + 11 steps in all
+    assert row["completion_tokens"] == 24 and row["acceptance_length"] == pytest.approx(22 / 15)
+    assert main([*base[:3], *base[5:], "--per-request-stats", "--out-dir", str(tmp_path / "o2")]) == 2  # no trace

@@ -12,7 +12,7 @@ from dspark.training.config import (
 )
 from dspark.drafters.registry import kind_entry
 from dspark.training.checkpoints import latest_checkpoint
-from dspark.training.trainer import DataOrder, lr_multiplier, train
+from dspark.training.trainer import DataOrder, Trainer, lr_multiplier, train
 from tests.tiny import tiny_target
 
 TINY_DSPARK = {"block_size": 4, "num_anchors": 8, "markov_rank": 16}
@@ -136,6 +136,34 @@ def test_resume_after_kill_gives_the_same_next_step_loss(tmp_path, drafter):
         assert b[step]["lr"] == pytest.approx(a[step]["lr"])
     # negative control: the loss does change from step to step, so equality above is informative
     assert a[3]["loss"] != pytest.approx(a[4]["loss"], rel=1e-5)
+
+
+def test_init_from_starts_from_the_checkpoint_weights_with_a_fresh_schedule(tmp_path):
+    target, data = tiny_target(), random_data(6)
+    first = train(tiny_cfg(tmp_path / "a", save_dtype="float32"), target=target, dataset=data)
+    saved = kind_entry("dspark").model_class.from_checkpoint(first, target).state_dict()
+    cfg = tiny_cfg(tmp_path / "b", init_from=str(first), max_steps=2, seed=7)
+    trainer = Trainer(cfg, target=target, dataset=data)
+    start = trainer.model.state_dict()
+    assert trainer.step == 0 and trainer.scheduler.last_epoch == 0  # fresh optimizer and LR schedule
+    assert all(torch.equal(start[k].float(), v.float()) for k, v in saved.items())
+    # negative control: the same config without init_from starts elsewhere
+    fresh = Trainer(tiny_cfg(tmp_path / "c", max_steps=2, seed=7), target=target, dataset=data).model.state_dict()
+    assert not all(torch.equal(fresh[k].float(), v.float()) for k, v in saved.items())
+    trainer.close()
+
+
+def test_init_from_refuses_another_kind_or_architecture(tmp_path):
+    target, data = tiny_target(), random_data(6)
+    first = train(tiny_cfg(tmp_path / "a"), target=target, dataset=data)
+    with pytest.raises(TrainConfigError, match="markov_rank=16 \\(config: 0\\)"):
+        train(tiny_cfg(tmp_path / "b", drafter="dflash", init_from=str(first),
+                       model={"block_size": 4, "num_anchors": 8}), target=target, dataset=data)
+    with pytest.raises(TrainConfigError, match="block_size=4 \\(config: 5\\)"):
+        train(tiny_cfg(tmp_path / "c", init_from=str(first), model={**TINY_DSPARK, "block_size": 5}),
+              target=target, dataset=data)
+    with pytest.raises(TrainConfigError, match="not a drafter checkpoint"):
+        train(tiny_cfg(tmp_path / "d", init_from=str(tmp_path)), target=target, dataset=data)
 
 
 def test_keep_checkpoints_prunes_old_steps(tmp_path):

@@ -12,7 +12,10 @@ are done or ``time_limit_s`` has passed. Per (policy, concurrency) it reports
   ``acceptance_length`` (tau per request-step), from the server's /metrics
   counters scraped before and after the run,
 
-and writes JSON, a Markdown table and the two figures. ``run_point`` also
+and writes JSON, a Markdown table and the two figures, plus the SPS tables the run itself saw
+(``observed_verify_sps.json``, ``observed_prefill_sps.json``: 1 / median wall seconds of the engine's steps
+and prefill chunks at each batch-token count, pooled over the measured points; ``StepTimes``), which
+``dspark simulate`` can replay under the same machine conditions. ``run_point`` also
 works against any running dspark server (``--url``), or a vLLM one (its
 ``vllm:spec_decode_*`` counters; there a step with drafts counts one bonus token).
 """
@@ -233,6 +236,7 @@ def run_sweep(cfg: SweepConfig, log=print) -> tuple[list[dict], dict]:
     from dspark.scheduler.sts import load_sts_json
     from dspark.scheduler.profile import load_or_profile
     from dspark.serving.engine import Engine, EngineConfig
+    from dspark.serving.engine_stats import StepTimes
     from dspark.scheduler.adapter import make_policy, parse_policy
     from dspark.serving.server import ServerConfig, ServerThread, create_app
     from dspark.target.model import load_target
@@ -251,6 +255,7 @@ def run_sweep(cfg: SweepConfig, log=print) -> tuple[list[dict], dict]:
         meta["sps_table"] = sps.to_dict()
     temps = load_sts_json(cfg.sts, drafter.block_size) if cfg.sts else None
     meta.update(torch=torch.__version__, torch_threads=torch.get_num_threads(), block_size=drafter.block_size)
+    observed = StepTimes()  # every measured pass of every policy: the SPS tables this run saw
     for name in cfg.policies:
         policy = make_policy(name, sps, temps, cfg.fallback_confidence)
         engine = Engine(target, drafter, policy,
@@ -260,7 +265,13 @@ def run_sweep(cfg: SweepConfig, log=print) -> tuple[list[dict], dict]:
         with ServerThread(app) as server:
             asyncio.run(closed_loop(server.url, prompts, 1, 1, min(8, cfg.max_tokens), cfg.temperature,
                                     api_key=cfg.api_key))  # warm-up, not measured
+            engine.step_times.clear()
             sweep(server.url, name)
+        observed.merge(engine.step_times)
+    meta["observed_step_times"] = observed.summary()
+    for kind in StepTimes.KINDS:
+        table = observed.table(kind)
+        meta[f"observed_{kind}_sps"] = table.to_dict() if table else None
     return rows, meta
 
 
@@ -301,6 +312,10 @@ def write_report(rows: list[dict], meta: dict, out_dir: str | Path, command: str
         *records_table(COLUMNS, rows),
     ]
     paths[1].write_text("\n".join(lines) + "\n")
+    for kind in ("verify", "prefill"):  # the step times this run saw, as SPS tables (`dspark simulate` reads them)
+        if meta.get(f"observed_{kind}_sps"):
+            paths.append(out / f"observed_{kind}_sps.json")
+            paths[-1].write_text(json.dumps(meta[f"observed_{kind}_sps"], indent=1) + "\n")
     plotted = [r for r in rows if r["requests"]]
     if plotted:
         paths.append(plot_throughput_vs_user_speed(plotted, out / "throughput_vs_user_speed.png"))

@@ -9,14 +9,21 @@ of past replies), the reply is located in the full rendering instead.
 The text is tokenised segment by segment (prompt, reply, prompt, ...), each with
 `add_special_tokens=False`: the first segment then tokenises exactly as `render_prompt` does at
 inference, and each reply as the target would have generated it after that prompt.
+
+Loss-mask values: 0 = not supervised; 1 = supervised, the reply is the target's own (regenerated);
+`TARGET_LABEL` (2) = supervised, the reply is existing text labelled by the target in one prefill
+(records with `"label": "teacher_forced"`, `dspark data label`), so its CE label is the target's
+argmax (docs/training.md §Teacher-forced labelling). Whatever only asks "supervised?" reads `!= 0`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dspark.drafters.losses import TARGET_LABEL
 from dspark.errors import DSparkError
 
+TEACHER_FORCED = "teacher_forced"  # a record's "label": its replies are existing text, labelled by the target
 MIN_LOSS_TOKENS = 14  # DeepSpec drops samples with fewer supervised tokens (docs/interop.md §Training data files)
 
 
@@ -84,11 +91,17 @@ def assistant_spans(tokenizer, conversations: list[dict]) -> tuple[str, list[_Sp
     return full, spans
 
 
-def tokenize_conversation(tokenizer, conversations: list[dict], max_length: int,
-                          min_loss_tokens: int = MIN_LOSS_TOKENS) -> dict[str, list[int]] | None:
+def reply_mask_value(record: dict) -> int:
+    """The loss-mask value of a record's reply tokens: TARGET_LABEL for teacher-forced records, else 1."""
+    return TARGET_LABEL if record.get("label") == TEACHER_FORCED else 1
+
+
+def tokenize_conversation(tokenizer, conversations: list[dict], max_length: int, min_loss_tokens: int = MIN_LOSS_TOKENS,
+                          reply_mask: int = 1) -> dict[str, list[int]] | None:
     """`{"input_ids": [...], "loss_mask": [...]}` for one conversation, or None when dropped.
 
-    loss_mask is 1 exactly on assistant reply tokens and each reply's end-of-turn tokens. The
+    loss_mask is `reply_mask` (1, or TARGET_LABEL for labelled text) exactly on assistant reply tokens
+    and each reply's end-of-turn tokens, 0 elsewhere. The
     sequence is truncated to `max_length` tokens (the end is cut); samples with fewer than
     `min_loss_tokens` supervised tokens after truncation are dropped (None).
     """
@@ -99,7 +112,7 @@ def tokenize_conversation(tokenizer, conversations: list[dict], max_length: int,
     loss_mask: list[int] = []
     cursor = 0
     for span in spans:
-        for text, label in ((full[cursor:span.start], 0), (full[span.start:span.end], 1)):
+        for text, label in ((full[cursor:span.start], 0), (full[span.start:span.end], reply_mask)):
             ids = _encode(tokenizer, text)
             input_ids += ids
             loss_mask += [label] * len(ids)
@@ -108,6 +121,6 @@ def tokenize_conversation(tokenizer, conversations: list[dict], max_length: int,
     input_ids += tail
     loss_mask += [0] * len(tail)
     input_ids, loss_mask = input_ids[:max_length], loss_mask[:max_length]
-    if sum(loss_mask) < min_loss_tokens:
+    if sum(m != 0 for m in loss_mask) < min_loss_tokens:
         return None
     return {"input_ids": input_ids, "loss_mask": loss_mask}

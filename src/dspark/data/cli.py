@@ -5,7 +5,8 @@ Typical pipeline:
 
     dspark data prompts --out data/prompts.jsonl --num 20000 --seed 0
     dspark data regenerate --prompts data/prompts.jsonl --out data/regenerated.jsonl   # the target answers
-    dspark data tokenize --in data/regenerated.jsonl --target smollm2-135m --out data/tok
+    dspark data label --out data/labelled.jsonl --num 20000                            # optional: existing answers
+    dspark data tokenize --in data/regenerated.jsonl data/labelled.jsonl --target smollm2-135m --out data/tok
     dspark data features --config smollm2-dspark-markov --data data/tok --out data/cache   # optional cache
     dspark data vocab --data data/tok --out data/draft-vocab.json                         # optional
 """
@@ -22,13 +23,13 @@ from dspark.target.presets import DEFAULT_TARGET
 DEFAULT_MIX_SPEC = "math=0.4,code=0.3,chat=0.3"
 
 
-def _parse_weights(spec: str | None) -> dict[str, float] | None:
+def _parse_weights(spec: str | None, flag: str = "--source-weights") -> dict[str, float] | None:
     if not spec:
         return None
     try:
         return {k.strip(): float(v) for k, v in (part.split("=") for part in spec.split(",") if part.strip())}
     except ValueError as err:
-        raise DSparkError(f"bad --source-weights {spec!r}: write it as gsm_symbolic=0,stdlib=2") from err
+        raise DSparkError(f"bad {flag} {spec!r}: write it as gsm_symbolic=0,stdlib=2") from err
 
 
 def _overlap(value: str) -> float | None:
@@ -49,6 +50,16 @@ def run_prompts(args: argparse.Namespace) -> None:
     if args.alpaca_substitute:
         print(substitute_alpaca(args.alpaca_substitute, args.alpaca_num, seed=args.seed, eval_dir=args.eval_dir,
                                 sources=sources, max_eval_overlap=args.max_eval_overlap))
+
+
+def run_label(args: argparse.Namespace) -> None:
+    from dspark.data.label import build_label_set, default_label_sources
+
+    weights = _parse_weights(args.weights, "--weights")
+    sources = default_label_sources(python_doc_dir=args.python_doc_dir, weights=weights)
+    print(build_label_set(args.out, args.num, mix=args.mix, seed=args.seed, eval_dir=args.eval_dir, sources=sources,
+                          max_answer_chars=args.max_answer_chars, max_eval_overlap=args.max_eval_overlap,
+                          allow_short=args.allow_short))
 
 
 def run_regenerate(args: argparse.Namespace) -> int:
@@ -152,13 +163,15 @@ def run_vocab(args: argparse.Namespace) -> None:
 
 
 def add_cli(subparsers) -> argparse.ArgumentParser:
-    """Register `dspark data {prompts,regenerate,tokenize,features,vocab}` on the main CLI's subparsers."""
+    """Register `dspark data {prompts,regenerate,label,tokenize,features,vocab}` on the main CLI's subparsers."""
     from dspark.data.chat import MIN_LOSS_TOKENS
+    from dspark.data.label import DEFAULT_MAX_ANSWER_CHARS, DEFAULT_WEIGHTS as LABEL_WEIGHTS
 
     data = subparsers.add_parser(
         "data", help="build training data: prompts, regenerated responses, tokenized dataset",
         description="Offline training-data pipeline: `prompts` -> `regenerate` -> `tokenize` "
-                    "(-> `features`, an optional cache of the target's hidden states).")
+                    "(-> `features`, an optional cache of the target's hidden states); `label` writes existing "
+                    "answers for the target to label instead of regenerating them.")
     commands = data.add_subparsers(dest="data_command", required=True)
 
     prompts = commands.add_parser(
@@ -237,6 +250,47 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     server.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS",
                         help="one request, connect to last byte (default: %(default)s)")
     p.set_defaults(func=run_regenerate)
+
+    label = commands.add_parser(
+        "label", help="write existing (prompt, answer) text for the target to label in one prefill (no decoding)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Teacher-forced labelling, a cheaper second source of training data: instead of having the "
+        "target answer prompts by decoding (`regenerate`), take prompts with existing answers from offline package "
+        "data (GSM-Symbolic worked solutions; codeio reference code and standard-library function sources; "
+        "chatterbot dialogues, the language reference, standard-library docstrings, Debian's python3.X-doc) and "
+        "let the target label every answer token by one prefill when `features` (or online training) runs it. "
+        "The records have the regenerated shape plus \"label\": \"teacher_forced\"; `tokenize` marks their "
+        "replies with loss-mask value 2, so the drafter's CE label there is the target's argmax instead of the "
+        "text's next token (L1 and the confidence loss use the target's distribution as always). The text is "
+        "off-policy: the drafter sees contexts the target would not have written (docs/training.md "
+        "§Teacher-forced labelling). Items and answers are kept disjoint from the evaluation sets as for `prompts`.\n\n"
+        "Mix with regenerated data by giving both files to tokenize:\n"
+        "  dspark data label --out data/labelled.jsonl --num 20000\n"
+        "  dspark data tokenize --in data/regenerated.jsonl data/labelled.jsonl --out data/tok\n"
+        "(or `cat` the two JSONL files into one: records are self-describing).")
+    label.add_argument("--out", type=Path, required=True, metavar="FILE", help="output JSONL file (written atomically)")
+    label.add_argument("--num", type=int, required=True, metavar="N", help="number of records to write")
+    label.add_argument("--mix", default=DEFAULT_MIX_SPEC,
+                       help="domain proportions, normalised to sum 1 (default: %(default)s)")
+    label.add_argument("--weights", default=None, metavar="SRC=W,...",
+                       help="source weights within a domain, 0 disables one (sources and defaults: "
+                            + ", ".join(f"{k}={v:g}" for k, v in LABEL_WEIGHTS.items()) + ")")
+    label.add_argument("--seed", type=int, default=0, metavar="S",
+                       help="the same seed reproduces the file (default: %(default)s)")
+    label.add_argument("--max-answer-chars", type=int, default=DEFAULT_MAX_ANSWER_CHARS, metavar="C",
+                       help="longest answer: documentation is cut at a paragraph boundary, longer code and "
+                            "solutions are skipped (default: %(default)s)")
+    label.add_argument("--eval-dir", type=Path, default=None, metavar="DIR",
+                       help="evaluation {\"turns\": [...]} JSONL folder to stay disjoint from (default: "
+                            "$DSPARK_EVAL_DIR, else the sets shipped with dspark)")
+    label.add_argument("--max-eval-overlap", type=_overlap, default=0.5,
+                       help="drop items whose prompt or answer shares more than this share of its word 8-grams "
+                            "with the evaluation sets; 'off' disables (default: %(default)s)")
+    label.add_argument("--python-doc-dir", type=Path, default=None, metavar="DIR",
+                       help="reST sources of the Python docs (default: Debian's python3.X-doc, skipped when absent)")
+    label.add_argument("--allow-short", action="store_true",
+                       help="write fewer records when a domain runs out instead of failing")
+    label.set_defaults(func=run_label)
 
     tokenize = commands.add_parser(
         "tokenize", help="tokenize regenerated conversations with the target's chat template",

@@ -4,6 +4,8 @@ Every prompt comes from data that ships with Python packages or with the interpr
 build needs no network. The responses are regenerated later by the target (paper §4.1; docs/conventions.md §Data).
 `dspark.data.prompts` mixes these streams into a training set; `dspark.data.decontaminate` keeps
 them disjoint from the evaluation sets.
+`dspark.data.label` reads the same data as (prompt, existing answer) pairs for teacher-forced
+labelling (docs/training.md §Teacher-forced labelling).
 
 | domain | source         | data                                                                     |
 |--------|----------------|--------------------------------------------------------------------------|
@@ -74,7 +76,7 @@ def _package_dir(package: str) -> Path | None:
     return Path(list(spec.submodule_search_locations)[0])
 
 
-def _import_reasoning_gym():
+def import_reasoning_gym():
     try:
         import reasoning_gym
     except ImportError as err:
@@ -85,23 +87,28 @@ def _import_reasoning_gym():
     return reasoning_gym
 
 
-def _rg_questions(rg, name: str, seed: int, chunk: int = 1000) -> Iterator[str]:
-    """Unlimited questions from a reasoning-gym generator, in chunks with disjoint seeds."""
+def rg_items(rg, name: str, seed: int, chunk: int = 1000) -> Iterator[dict]:
+    """Unlimited items (question, answer, metadata) from a reasoning-gym generator, in chunks with
+    disjoint seeds."""
     for start in itertools.count(0, chunk):
         # item i of a chunk is drawn from Random(seed + start + i): chunks never share a seed
-        for item in rg.create_dataset(name, size=chunk, seed=seed + start):
-            yield item["question"]
+        yield from rg.create_dataset(name, size=chunk, seed=seed + start)
 
 
-def _as_math_prompt(question: str) -> str:
+def _rg_questions(rg, name: str, seed: int, chunk: int = 1000) -> Iterator[str]:
+    """Unlimited questions from a reasoning-gym generator."""
+    return (item["question"] for item in rg_items(rg, name, seed, chunk))
+
+
+def as_math_prompt(question: str) -> str:
     question = question.replace(" Give the result as your final answer. Do not include units.", "")
     return f"{question.strip()}\n{MATH_SUFFIX}"
 
 
 def _gsm_symbolic(rng: random.Random) -> Iterator[Candidate]:
-    rg = _import_reasoning_gym()
+    rg = import_reasoning_gym()
     for question in _rg_questions(rg, "gsm_symbolic", rng.randrange(2**31)):
-        yield question, _as_math_prompt(question)
+        yield question, as_math_prompt(question)
 
 
 RG_MATH_GENERATORS = (
@@ -112,11 +119,11 @@ RG_MATH_GENERATORS = (
 
 
 def _rg_math(rng: random.Random) -> Iterator[Candidate]:
-    rg = _import_reasoning_gym()
+    rg = import_reasoning_gym()
     streams = {name: _rg_questions(rg, name, rng.randrange(2**31)) for name in RG_MATH_GENERATORS}
     while True:
         question = next(streams[rng.choice(RG_MATH_GENERATORS)])
-        yield question, _as_math_prompt(question)
+        yield question, as_math_prompt(question)
 
 
 CODEIO_TEMPLATES = (
@@ -126,13 +133,19 @@ CODEIO_TEMPLATES = (
 )
 
 
-def _codeio(rng: random.Random) -> Iterator[Candidate]:
+def codeio_tasks() -> list[dict]:
+    """reasoning-gym's codeio-hq tasks (task_description, input_output_spec, code_sample, ...); [] when
+    not installed."""
     root = _package_dir("reasoning_gym")
     path = root / "data" / "codeio-hq.jsonl.gz" if root else None
     if path is None or not path.is_file():
-        return
+        return []
     with gzip.open(path, "rt", encoding="utf-8") as f:
-        tasks = json.load(f)  # a single JSON array, despite the .jsonl name
+        return json.load(f)  # a single JSON array, despite the .jsonl name
+
+
+def _codeio(rng: random.Random) -> Iterator[Candidate]:
+    tasks = codeio_tasks()
     pairs = [(i, t) for i in range(len(tasks)) for t in range(len(CODEIO_TEMPLATES))]
     rng.shuffle(pairs)
     for i, t in pairs:
@@ -170,7 +183,7 @@ def _stdlib_files() -> list[tuple[str, Path]]:
     return sorted(files)
 
 
-def _stdlib_functions(module: str, path: Path, min_lines: int = 4, max_lines: int = 60,
+def stdlib_functions(module: str, path: Path, min_lines: int = 4, max_lines: int = 60,
                       max_chars: int = 2500) -> list[tuple[str, str, str | None]]:
     """(qualified name, source, source without docstring or None) for the file's functions."""
     try:
@@ -202,7 +215,7 @@ def _stdlib_functions(module: str, path: Path, min_lines: int = 4, max_lines: in
     return found
 
 
-def _round_robin_files(rng: random.Random, extract: Callable[[str, Path], list],
+def round_robin_files(rng: random.Random, extract: Callable[[str, Path], list],
                        per_file: int = 3) -> Iterator[tuple[str, object]]:
     """(module, item) over the standard library, a few items per file per pass so that modules mix;
     files are parsed lazily during the first pass."""
@@ -222,7 +235,7 @@ def _round_robin_files(rng: random.Random, extract: Callable[[str, Path], list],
 
 
 def _stdlib(rng: random.Random) -> Iterator[Candidate]:
-    for module, (qualname, src, no_doc) in _round_robin_files(rng, _stdlib_functions):
+    for module, (qualname, src, no_doc) in round_robin_files(rng, stdlib_functions):
         kind = rng.choice(list(STDLIB_TEMPLATES))
         if kind == "docstring" and no_doc is None:
             kind = "explain"
@@ -230,20 +243,26 @@ def _stdlib(rng: random.Random) -> Iterator[Candidate]:
         yield f"stdlib:{module}:{qualname}", text
 
 
-def _chatterbot(rng: random.Random, languages: tuple[str, ...] = ("english",)) -> Iterator[Candidate]:
+def chatterbot_dialogues(languages: tuple[str, ...] = ("english",)) -> dict[str, list[str]]:
+    """chatterbot-corpus dialogues by their first statement (the first dialogue of each), in file order;
+    {} when not installed. A dialogue alternates statement and response."""
     root = _package_dir("chatterbot_corpus")
     if root is None:
-        return
+        return {}
     import yaml  # PyYAML ships with transformers
 
-    questions: dict[str, None] = {}
+    dialogues: dict[str, list[str]] = {}
     for language in languages:
         for path in sorted((root / "data" / language).glob("*.yml")):
             data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
             for conversation in data.get("conversations") or []:
                 if conversation and isinstance(conversation[0], str) and conversation[0].strip():
-                    questions.setdefault(conversation[0].strip(), None)
-    ordered = list(questions)
+                    dialogues.setdefault(conversation[0].strip(), conversation)
+    return dialogues
+
+
+def _chatterbot(rng: random.Random, languages: tuple[str, ...] = ("english",)) -> Iterator[Candidate]:
+    ordered = list(chatterbot_dialogues(languages))
     rng.shuffle(ordered)
     for question in ordered:
         yield f"chatterbot:{question}", question
@@ -264,16 +283,21 @@ def _clean_rest(paragraph: str) -> str:
     return re.sub(r"\s*::$", ":", text.replace("``", "`"))  # "::" introduces a code block we left out
 
 
-def _doc_paragraphs(text: str, min_words: int = 30, max_chars: int = 2000) -> list[str]:
-    paragraphs = []
+def doc_blocks(text: str, min_words: int = 30, max_chars: int = 2000) -> list[tuple[str, str | None]]:
+    """Every blank-line-separated block of `text`, with its cleaned prose paragraph, or None where the
+    block is not a prose paragraph (too short or long, code, markup)."""
+    blocks = []
     for block in re.split(r"\n\s*\n", text):
         stripped = block.strip()
-        if (len(stripped.split()) < min_words or len(stripped) > max_chars
-                or stripped.startswith(("..", ">>>", "::", "+-", "==", "|"))
-                or ">>>" in stripped or "\n   " in textwrap.dedent(block).strip()):
-            continue
-        paragraphs.append(_clean_rest(block))
-    return paragraphs
+        prose = not (len(stripped.split()) < min_words or len(stripped) > max_chars
+                     or stripped.startswith(("..", ">>>", "::", "+-", "==", "|"))
+                     or ">>>" in stripped or "\n   " in textwrap.dedent(block).strip())
+        blocks.append((block, _clean_rest(block) if prose else None))
+    return blocks
+
+
+def doc_paragraphs(text: str, min_words: int = 30, max_chars: int = 2000) -> list[str]:
+    return [p for _, p in doc_blocks(text, min_words, max_chars) if p is not None]
 
 
 def _render_docs(rng: random.Random, items: list[tuple[str, str]]) -> Iterator[Candidate]:
@@ -302,7 +326,7 @@ def _python_docs(doc_dir: Path | None) -> Callable[[random.Random], Iterator[Can
                 continue
             text = path.read_text(encoding="utf-8", errors="replace")
             rel = path.relative_to(doc_dir).as_posix()
-            items += [(f"python_docs:{rel}:{i}", p) for i, p in enumerate(_doc_paragraphs(text))]
+            items += [(f"python_docs:{rel}:{i}", p) for i, p in enumerate(doc_paragraphs(text))]
         yield from _render_docs(rng, items)
 
     return candidates
@@ -313,12 +337,12 @@ def _pydoc_topics(rng: random.Random) -> Iterator[Candidate]:
 
     items = []
     for name in sorted(topics):
-        paragraphs = _doc_paragraphs(topics[name], min_words=25)
+        paragraphs = doc_paragraphs(topics[name], min_words=25)
         items += [(f"pydoc:{name}:{i}", p) for i, p in enumerate(paragraphs)]
     yield from _render_docs(rng, items)
 
 
-def _stdlib_docstrings(module: str, path: Path, min_words: int = 30, max_chars: int = 2000) -> list:
+def stdlib_docstrings(module: str, path: Path, min_words: int = 30, max_chars: int = 2000) -> list:
     """(qualified name, docstring) of the module, its classes and functions."""
     try:
         tree = ast.parse(path.read_text(encoding="utf-8"))
@@ -339,7 +363,7 @@ def _stdlib_docstrings(module: str, path: Path, min_words: int = 30, max_chars: 
 
 
 def _stdlib_docs(rng: random.Random) -> Iterator[Candidate]:
-    for _, (qualname, doc) in _round_robin_files(rng, _stdlib_docstrings):
+    for _, (qualname, doc) in round_robin_files(rng, stdlib_docstrings):
         yield f"stdlib_docs:{qualname}", rng.choice(DOC_TEMPLATES).format(text=doc)
 
 

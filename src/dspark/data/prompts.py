@@ -11,9 +11,10 @@ import hashlib
 import json
 import random
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from dspark.data.decontaminate import EvalIndex, PromptFilter
 from dspark.data.eval_sets import find_eval_dir
@@ -53,7 +54,7 @@ def parse_mix(spec: str | dict[str, float] | None) -> dict[str, float]:
     return {d: spec.get(d, 0.0) / total for d in DOMAINS}
 
 
-def _domain_counts(num: int, mix: dict[str, float]) -> dict[str, int]:
+def domain_counts(num: int, mix: dict[str, float]) -> dict[str, int]:
     """Largest-remainder rounding, so that the counts sum to `num` exactly."""
     raw = {d: num * f for d, f in mix.items()}
     counts = {d: int(r) for d, r in raw.items()}
@@ -66,17 +67,24 @@ def draw_prompts(sources: list[PromptSource], count: int, rng: random.Random, se
           keep: PromptFilter, progress=None) -> list[tuple[PromptSource, str]]:
     """Up to `count` accepted prompts, drawing from the sources by weight until they run dry."""
     streams = {s.name: iter(s.candidates(random.Random(f"{seed}:{s.name}"))) for s in sources}
+    return draw_by_weight(sources, streams, count, rng, keep.accept, progress)
+
+
+def draw_by_weight(sources: list, streams: dict[str, Iterator], count: int, rng: random.Random,
+                   accept: Callable[[str, Any], bool], progress=None) -> list[tuple[Any, Any]]:
+    """Up to `count` accepted (source, item) pairs: pick a source by its `weight`, take the next (key, item) of
+    its stream (`streams[source.name]`), keep it if `accept(key, item)`; a stream that runs dry drops out."""
     live = list(sources)
     chosen = []
     while len(chosen) < count and live:
         source = rng.choices(live, weights=[s.weight for s in live])[0]
         try:
-            key, text = next(streams[source.name])
+            key, item = next(streams[source.name])
         except StopIteration:
             live.remove(source)
             continue
-        if keep.accept(key, text):
-            chosen.append((source, text))
+        if accept(key, item):
+            chosen.append((source, item))
             if progress is not None:
                 progress.update(1)
     return chosen
@@ -100,7 +108,7 @@ def write_jsonl(path: Path, records: Iterable[dict]) -> None:
     tmp.replace(path)
 
 
-def _record_id(source: str, text: str) -> str:
+def record_id(source: str, text: str) -> str:
     return f"{source}-{hashlib.sha1(text.encode('utf-8')).hexdigest()[:12]}"
 
 
@@ -117,7 +125,7 @@ def build_prompt_set(out_path: str | Path, num_prompts: int, mix: str | dict[str
 
     if num_prompts <= 0:
         raise DSparkError("the number of prompts must be positive")
-    counts = _domain_counts(num_prompts, parse_mix(mix))
+    counts = domain_counts(num_prompts, parse_mix(mix))
     keep = PromptFilter(EvalIndex.from_dir(find_eval_dir(eval_dir)), keep_reserved=False,
                         max_eval_overlap=max_eval_overlap)
     sources = default_sources() if sources is None else sources
@@ -134,7 +142,7 @@ def build_prompt_set(out_path: str | Path, num_prompts: int, mix: str | dict[str
             chosen += got
     random.Random(seed).shuffle(chosen)
     out_path = Path(out_path)
-    write_jsonl(out_path, ({"id": _record_id(s.name, text), "domain": s.domain, "source": s.name,
+    write_jsonl(out_path, ({"id": record_id(s.name, text), "domain": s.domain, "source": s.name,
                              "conversations": [{"role": "user", "content": text}]} for s, text in chosen))
     return PromptSetSummary(
         path=out_path, requested=counts,

@@ -3,13 +3,15 @@
 On-disk layout of a tokenized folder:
   manifest.json   format version, counts, tokenizer, max_length, min_loss_tokens, sources, dropped
   input_ids.npy   int32  (T,)    all samples' tokens, concatenated
-  loss_mask.npy   uint8  (T,)    1 on assistant reply tokens (chat.tokenize_conversation)
+  loss_mask.npy   uint8  (T,)    1 on assistant reply tokens, 2 (TARGET_LABEL) on those of teacher-forced
+                                 records (chat.tokenize_conversation); read "supervised" as != 0
   offsets.npy     int64  (N+1,)  sample i is [offsets[i], offsets[i+1])
 The arrays are memory-mapped when read, so a dataset larger than RAM works.
 
 Input JSONL records have the DeepSpec shape `{"id", "conversations": [{"role", "content"}, ...],
 "status": "success"}`; records whose status is anything other than "success" are skipped (records
-without a status, e.g. hand-written conversations, are used).
+without a status, e.g. hand-written conversations, are used). Records with `"label": "teacher_forced"`
+(`dspark data label`) get loss-mask value 2 on their replies; the manifest counts both kinds.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ import torch
 from torch.utils.data import Dataset
 
 from dspark.errors import BadFileError, DSparkError
-from dspark.data.chat import MIN_LOSS_TOKENS, tokenize_conversation
+from dspark.data.chat import MIN_LOSS_TOKENS, reply_mask_value, tokenize_conversation
+from dspark.drafters.losses import TARGET_LABEL
 
 FORMAT_VERSION = 1
 
@@ -38,10 +41,12 @@ class TokenizeSummary:
     num_tokens: int
     num_loss_tokens: int
     skipped: dict[str, int]
+    num_labelled_tokens: int = 0  # of num_loss_tokens: teacher-forced (loss_mask TARGET_LABEL)
 
     def __str__(self) -> str:
+        labelled = f", {self.num_labelled_tokens} of them teacher-forced" if self.num_labelled_tokens else ""
         return (f"wrote {self.num_samples} samples ({self.num_tokens} tokens, {self.num_loss_tokens} "
-                f"supervised) to {self.path}; skipped {self.skipped}")
+                f"supervised{labelled}) to {self.path}; skipped {self.skipped}")
 
 
 def _records(path: Path):
@@ -75,7 +80,8 @@ def write_tokenized(jsonl_in: str | Path | list[str | Path], tokenizer, out_path
             if not conversations or not any(m.get("role") == "assistant" for m in conversations):
                 skipped["no_assistant_turn"] += 1
                 continue
-            sample = tokenize_conversation(tokenizer, conversations, max_length, min_loss_tokens)
+            sample = tokenize_conversation(tokenizer, conversations, max_length, min_loss_tokens,
+                                           reply_mask_value(record))
             if sample is None:
                 skipped["few_loss_tokens"] += 1
                 continue
@@ -90,7 +96,9 @@ def write_tokenized(jsonl_in: str | Path | list[str | Path], tokenizer, out_path
     manifest = {
         "format": "dspark-tokenized", "version": FORMAT_VERSION,
         "num_samples": int(len(lengths)), "num_tokens": int(offsets[-1]),
-        "num_loss_tokens": int(loss_mask.sum()), "max_length": max_length,
+        "num_loss_tokens": int(np.count_nonzero(loss_mask)),
+        "num_loss_tokens_regenerated": int(np.count_nonzero(loss_mask == 1)),
+        "num_loss_tokens_labelled": int(np.count_nonzero(loss_mask == TARGET_LABEL)), "max_length": max_length,
         "min_loss_tokens": min_loss_tokens, "tokenizer": str(getattr(tokenizer, "name_or_path", "")),
         "vocab_size": len(tokenizer), "source_jsonl_paths": [str(p) for p in paths], "skipped": dict(skipped),
     }
@@ -105,7 +113,7 @@ def write_tokenized(jsonl_in: str | Path | list[str | Path], tokenizer, out_path
     shutil.rmtree(out_path, ignore_errors=True)
     tmp.rename(out_path)
     return TokenizeSummary(out_path, manifest["num_samples"], manifest["num_tokens"],
-                           manifest["num_loss_tokens"], dict(skipped))
+                           manifest["num_loss_tokens"], dict(skipped), manifest["num_loss_tokens_labelled"])
 
 
 def _bad(path: Path, what: str) -> BadFileError:

@@ -20,7 +20,7 @@ import torch
 @dataclass
 class TrainSample:
     input_ids: torch.Tensor  # (L,) int64
-    loss_mask: torch.Tensor  # (L,) int64/bool, 1 on assistant tokens
+    loss_mask: torch.Tensor  # (L,) int64/bool, nonzero on assistant tokens (2: teacher-forced labelled text)
     target_features: torch.Tensor  # (L, F)
     target_last_hidden: torch.Tensor  # (L, H)
     # (L,) float32 log-sum-exp of the target's logits over all V (a drafter with a draft vocabulary needs it)

@@ -28,9 +28,14 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--warmup", type=int, default=1, help="untimed passes per grid point (default: %(default)s)")
     p.add_argument("--dense", action="store_true",
                    help="time every batch-token count, not only multiples of block size + 1")
+    p.add_argument("--prefill", action="store_true",
+                   help="time prefill passes instead (the table `dspark simulate --prefill-sps-table` reads): one "
+                   "request's chunk of B = R x (block size + 1) tokens after --context-len cached ones (0 allowed), "
+                   "last-token logits only, as the serving engine prefills; e.g. --prefill --block-size 63 "
+                   "--max-requests 8 --context-len 0 times chunks of 64..512 tokens")
     p.add_argument("--drafter", default=None,
                    help="optional drafter whose target_layer_ids the verify pass captures (costs a little)")
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--threads", type=int, default=argparse.SUPPRESS,  # not None: `dspark --threads N profile` keeps N
                    help="torch CPU threads (default: torch's choice); profile with the setting you will serve with")
     p.add_argument("--out", default="sps.json", help="output JSON (default: %(default)s)")
     p.set_defaults(func=_profile)
@@ -50,7 +55,7 @@ def _profile(args: argparse.Namespace) -> int:
 
         capture = load_drafter(args.drafter, target, DraftingOptions.from_args(args)).target_layer_ids
     table = profile_target(target, args.block_size, args.max_requests, args.context_len, args.repeats,
-                           args.warmup, capture, args.dense)
+                           args.warmup, capture, args.dense, prefill=args.prefill)
     table.save(args.out)
     print(f"wrote {args.out}")
     for b, sps in zip(table.sample_batch_tokens, table.sample_steps_per_sec):

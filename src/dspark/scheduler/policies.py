@@ -27,6 +27,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 from dspark.errors import DSparkError
@@ -58,22 +59,24 @@ class VerifyPolicy(Protocol):
 
 
 # ----------------------------------------------------------------- helpers
-def _check_num_candidates(num_candidates: torch.Tensor, max_tokens: int | None) -> torch.Tensor:
+def _check_num_candidates(num_candidates: torch.Tensor, max_tokens: int | None) -> np.ndarray:
+    """``num_candidates`` checked, as an int64 NumPy array (R,) on the host."""
     if not isinstance(num_candidates, torch.Tensor) or num_candidates.dim() != 1:
         raise ValueError("num_candidates must be a 1-D integer tensor of shape (R,)")
     if num_candidates.dtype.is_floating_point or num_candidates.dtype == torch.bool:
         raise ValueError(f"num_candidates must be an integer tensor, got {num_candidates.dtype}")
-    n = num_candidates.to(torch.int64)
-    if n.numel() and int(n.min()) < 0:
+    n = _host(num_candidates).astype(np.int64, copy=False)
+    if n.size and n.min() < 0:
         raise ValueError("num_candidates must be >= 0")
-    if max_tokens is not None and n.numel() and int(n.max()) > max_tokens:
+    if max_tokens is not None and n.size and n.max() > max_tokens:
         raise ValueError(f"num_candidates must be <= K = {max_tokens} (the width of confidences)")
     return n
 
 
 def _check_confidences(
     confidences: torch.Tensor | None, num_candidates: torch.Tensor, policy: str
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[np.ndarray, np.ndarray]:
+    """(confidences (R, K) float64, num_candidates (R,) int64), checked, as NumPy arrays on the host."""
     if confidences is None:
         raise ValueError(
             f"{policy} needs per-step confidences from a confidence head; this drafter has none. "
@@ -86,7 +89,29 @@ def _check_confidences(
         raise ValueError(
             f"confidences has {confidences.shape[0]} rows but num_candidates has {n.shape[0]}"
         )
-    return confidences, n
+    return _host(confidences), n
+
+
+def _host(x: torch.Tensor) -> np.ndarray:
+    """A (small) tensor as a NumPy array on the host (floats as float64). The policies' arithmetic runs
+    in NumPy: on (R, K) arrays of a few hundred entries its per-call cost is a fraction of torch's."""
+    x = x.detach()
+    if x.dtype.is_floating_point:
+        x = x.to(torch.float64)
+    return x.cpu().numpy()
+
+
+def _survival(
+    confidences: np.ndarray,  # (R, K) per-step c_{r,j}
+    num_candidates: np.ndarray,  # (R,) int64
+) -> np.ndarray:  # (R, K) float64 a_{r,j}; 0 beyond num_candidates
+    conf = confidences.astype(np.float64, copy=False)
+    valid = np.arange(conf.shape[1])[None, :] < num_candidates[:, None]
+    conf = np.where(valid, conf, 0.0)
+    if not ((conf >= 0) & (conf <= 1)).all():  # NaN fails too
+        raise ValueError("confidences must lie in [0, 1] (apply the sigmoid and STS before scheduling)")
+    # c <= 1, so the product never increases along j (exactly, also in floating point)
+    return np.cumprod(conf, axis=1)
 
 
 def survival_from_confidences(
@@ -94,16 +119,10 @@ def survival_from_confidences(
     num_candidates: torch.Tensor,  # (R,) int
 ) -> torch.Tensor:  # (R, K) float64 a_{r,j} = prod_{i<=j} c_{r,i}; 0 beyond num_candidates
     """Cumulative survival (§3.2.2); padding gets survival 0 and is never admitted."""
-    conf = confidences.to(torch.float64)
-    valid = torch.arange(conf.shape[1], device=conf.device)[None, :] < num_candidates.to(conf.device)[:, None]
-    conf = torch.where(valid, conf, 0.0)
-    if not bool(((conf >= 0) & (conf <= 1)).all()):  # NaN fails too
-        raise ValueError("confidences must lie in [0, 1] (apply the sigmoid and STS before scheduling)")
-    # c <= 1, so the product never increases along j (exactly, also in floating point)
-    return conf.cumprod(dim=1)
+    return torch.from_numpy(_survival(_host(confidences), _host(num_candidates).astype(np.int64, copy=False)))
 
 
-def _admission_path(survival: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _admission_path(survival: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Candidates (r, j) with a_{r,j} > 0 sorted by survival, best first.
 
     Ties are broken by position j, then request r (deterministic). As a_{r,j}
@@ -111,38 +130,42 @@ def _admission_path(survival: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
     prefixes. Returns row (M,), position (M,) and survival (M,) float64.
     """
     R, K = survival.shape
-    flat = survival.t().reshape(-1)  # (K * R,), index = j * R + r: ties keep j-then-r order
-    sorted_a, order = torch.sort(flat, descending=True, stable=True)
+    flat = survival.T.reshape(-1)  # (K * R,), index = j * R + r: ties keep j-then-r order
+    order = np.argsort(-flat, kind="stable")  # descending; stable keeps that order among ties
+    sorted_a = flat[order]
     keep = sorted_a > 0  # Algorithm 1, line 4: E = {(r, j) | a_{r,j} > 0}
     order, sorted_a = order[keep], sorted_a[keep]
     return order % R, order // R, sorted_a
 
 
-def _theta_curve(sorted_a: torch.Tensor, num_requests: int, sps_table: SPSTable) -> torch.Tensor:
+def _theta_curve(sorted_a: np.ndarray, num_requests: int, sps_table: SPSTable) -> np.ndarray:
     """Theta(b) = tau(b) * SPS(B(b)) after admitting the first b path entries, b = 0..M.
 
     tau(b) = R + sum of the b admitted survivals, B(b) = R + b (§3.2.2).
     """
     # summed in admission order from R, as Algorithm 1 accumulates tau* (lines 5, 8)
-    tau = torch.cat([sorted_a.new_full((1,), float(num_requests)), sorted_a]).cumsum(0)  # (M + 1,)
-    batch_tokens = num_requests + torch.arange(tau.numel(), device=tau.device)  # (M + 1,)
-    return tau * sps_table.sps_tensor(batch_tokens)
+    tau = np.concatenate([[float(num_requests)], sorted_a]).cumsum()  # (M + 1,)
+    batch_tokens = num_requests + np.arange(tau.size)  # (M + 1,)
+    return tau * sps_table.sps_array(batch_tokens)
 
 
 def _lengths_from_path(
-    rows: torch.Tensor,  # (M,) request of each path entry
-    positions: torch.Tensor,  # (M,) 0-based draft position j - 1
+    rows: np.ndarray,  # (M,) request of each path entry
+    positions: np.ndarray,  # (M,) 0-based draft position j - 1
     count: int,
     shape: tuple[int, int],  # (R, K)
-) -> torch.Tensor:  # (R,) int64
+) -> np.ndarray:  # (R,) int64
     """verify_len from admitting the first ``count`` path entries."""
-    R, K = shape
-    admitted = torch.zeros(R, K, dtype=torch.bool, device=rows.device)
-    admitted[rows[:count], positions[:count]] = True
+    admitted = np.zeros(shape, dtype=np.int64)
+    admitted[rows[:count], positions[:count]] = 1
     # Prefix guard: (r, j) only counts if (r, j-1) was admitted too.
-    verify_len = admitted.long().cumprod(dim=1).sum(dim=1)
+    verify_len = admitted.cumprod(axis=1).sum(axis=1)
     assert int(verify_len.sum()) == count, "admission path broke the per-request prefix order"
     return verify_len
+
+
+def _as_verify_len(verify_len: np.ndarray, like: torch.Tensor) -> torch.Tensor:  # (R,) int64 on like's device
+    return torch.from_numpy(verify_len.astype(np.int64, copy=False)).to(like.device)
 
 
 # ----------------------------------------------------------------- policies
@@ -159,7 +182,7 @@ class FixedLength:
 
     def choose(self, confidences: torch.Tensor | None, num_candidates: torch.Tensor) -> torch.Tensor:
         n = _check_num_candidates(num_candidates, None if confidences is None else confidences.shape[1])
-        return n.clamp(max=self.n)
+        return _as_verify_len(n.clip(max=self.n), num_candidates)
 
 
 @dataclass(frozen=True)
@@ -179,11 +202,11 @@ class StaticThreshold:
 
     def choose(self, confidences: torch.Tensor | None, num_candidates: torch.Tensor) -> torch.Tensor:
         confidences, n = _check_confidences(confidences, num_candidates, "StaticThreshold")
-        survival_from_confidences(confidences, n)  # validates the range
-        K = confidences.shape[1]
-        valid = torch.arange(K, device=confidences.device)[None, :] < n.to(confidences.device)[:, None]
-        passes = (confidences >= self.threshold) & valid  # (R, K)
-        return passes.long().cumprod(dim=1).sum(dim=1).to(num_candidates.device)
+        c = confidences
+        _survival(c, n)  # validates the range
+        valid = np.arange(c.shape[1])[None, :] < n[:, None]
+        passes = (c >= self.threshold) & valid  # (R, K)
+        return _as_verify_len(passes.astype(np.int64).cumprod(axis=1).sum(axis=1), num_candidates)
 
 
 @dataclass(frozen=True)
@@ -196,7 +219,7 @@ class GreedyPrefixScheduler:
     def choose(self, confidences: torch.Tensor | None, num_candidates: torch.Tensor) -> torch.Tensor:
         confidences, n = _check_confidences(confidences, num_candidates, "GreedyPrefixScheduler")
         R = confidences.shape[0]
-        survival = survival_from_confidences(confidences, n)  # Algorithm 1, lines 1-3
+        survival = _survival(confidences, n)  # Algorithm 1, lines 1-3
         rows, positions, sorted_a = _admission_path(survival)  # line 4
         # Lines 5-6: l_r = 0, B = R, tau* = R, Theta_best = R * SPS(R). Lines 7-9 for
         # the b-th admission give Theta(b) = (R + sum_{i<=b} a_(i)) * SPS(R + b).
@@ -206,9 +229,9 @@ class GreedyPrefixScheduler:
         # the stop is the first b with Theta(b) <= Theta(b - 1). Whether (r, j) is
         # admitted depends only on the path before it: survivals >= a_{r,j}, i.e.
         # other requests and a_{r,<=j}, never on x_{r,j} (read by a_{r,j+1}).
-        not_raised = (theta[1:] <= theta[:-1]).nonzero()
-        count = int(not_raised[0]) if not_raised.numel() else sorted_a.numel()
-        return _lengths_from_path(rows, positions, count, survival.shape).to(num_candidates.device)  # line 16
+        not_raised = np.flatnonzero(theta[1:] <= theta[:-1])
+        count = int(not_raised[0]) if not_raised.size else sorted_a.size
+        return _as_verify_len(_lengths_from_path(rows, positions, count, survival.shape), num_candidates)  # line 16
 
 
 @dataclass(frozen=True)
@@ -226,11 +249,11 @@ class RetrospectiveGlobalSearch:
 
     def choose(self, confidences: torch.Tensor | None, num_candidates: torch.Tensor) -> torch.Tensor:
         confidences, n = _check_confidences(confidences, num_candidates, "RetrospectiveGlobalSearch")
-        survival = survival_from_confidences(confidences, n)
+        survival = _survival(confidences, n)
         rows, positions, sorted_a = _admission_path(survival)
         theta = _theta_curve(sorted_a, confidences.shape[0], self.sps_table)
-        count = int(torch.argmax(theta))  # first maximum: fewest tokens among ties
-        return _lengths_from_path(rows, positions, count, survival.shape).to(num_candidates.device)
+        count = int(np.argmax(theta))  # first maximum: fewest tokens among ties
+        return _as_verify_len(_lengths_from_path(rows, positions, count, survival.shape), num_candidates)
 
 
 @dataclass
@@ -282,14 +305,14 @@ class AsyncTopKScheduler:
             return self.default_capacity
         lagged = self._history[0]  # (M',) sorted positive survivals of step t - lag
         theta = _theta_curve(lagged, num_requests, self.sps_table)
-        return int(torch.argmax(theta))
+        return int(np.argmax(theta))
 
     def choose(self, confidences: torch.Tensor | None, num_candidates: torch.Tensor) -> torch.Tensor:
         confidences, n = _check_confidences(confidences, num_candidates, "AsyncTopKScheduler")
         capacity = self.capacity(confidences.shape[0])  # before this step's survivals are seen
-        survival = survival_from_confidences(confidences, n)
+        survival = _survival(confidences, n)
         rows, positions, sorted_a = _admission_path(survival)
-        count = sorted_a.numel() if capacity is None else min(capacity, sorted_a.numel())
+        count = sorted_a.size if capacity is None else min(capacity, sorted_a.size)
         self.last_capacity = capacity
-        self._history.append(sorted_a.cpu())
-        return _lengths_from_path(rows, positions, count, survival.shape).to(num_candidates.device)
+        self._history.append(sorted_a)
+        return _as_verify_len(_lengths_from_path(rows, positions, count, survival.shape), num_candidates)

@@ -53,20 +53,28 @@ def profile_target(
     capture_layers: list[int] | None = None,  # the drafter's target_layer_ids: verify passes capture them
     dense: bool = False,
     seed: int = 0,
+    prefill: bool = False,
 ) -> SPSTable:
-    """Time verify passes of ``target`` and return the SPS table (1 / median step time per grid point)."""
+    """Time verify passes of ``target`` and return the SPS table (1 / median step time per grid point).
+
+    ``prefill``: time prefill passes instead, as the engine runs them: ONE request's chunk of B tokens after
+    ``context_len`` cached ones (0 = a first chunk), logits for its last token only; B on the same grid.
+    """
     window = block_size + 1
-    if context_len < 1:
-        raise ValueError(f"context_len must be >= 1, got {context_len}")
-    if context_len + window > target.max_context:
-        raise ValueError(
-            f"context_len {context_len} + {window} verify tokens exceeds the model's context of "
-            f"{target.max_context}; profile with a shorter --context-len"
-        )
+    if context_len < (0 if prefill else 1):
+        raise ValueError(f"context_len must be >= {0 if prefill else 1}, got {context_len}")
     grid = batch_token_grid(block_size, max_requests, dense)
+    longest = grid[-1] if prefill else window
+    if context_len + longest > target.max_context:
+        raise ValueError(
+            f"context_len {context_len} + {longest} {'prefill' if prefill else 'verify'} tokens exceeds the model's "
+            f"context of {target.max_context}; profile with a shorter --context-len"
+        )
     device = _device(target)
     gen = torch.Generator().manual_seed(seed)
     V = target.vocab_size
+    if prefill:
+        return _profile_prefill(target, grid, context_len, repeats, warmup, capture_layers, gen)
 
     # warm caches: max_requests random contexts, prefilled a few requests at a time
     caches = [target.new_cache(context_len + window + 1) for _ in range(max_requests)]
@@ -85,6 +93,24 @@ def profile_target(
         _sync(device)
         for cache in used:
             cache.truncate(context_len)
+
+    return profile_sps(step, grid, repeats=repeats, warmup=warmup)
+
+
+def _profile_prefill(target: TargetModel, grid: list[int], context_len: int, repeats: int, warmup: int,
+                     capture_layers: list[int] | None, gen: torch.Generator) -> SPSTable:
+    """Prefill passes of one request: B new tokens after ``context_len`` cached ones, last-token logits."""
+    device = _device(target)
+    cache = target.new_cache(context_len + grid[-1] + 1)
+    if context_len:
+        ids = torch.randint(target.vocab_size, (context_len,), generator=gen).to(device)  # (context_len,)
+        target.forward(ids, [context_len], [cache], None, logits_for="none")
+    pool = torch.randint(target.vocab_size, (grid[-1],), generator=gen).to(device)  # (B_max,) prompt-token ids
+
+    def step(batch_tokens: int) -> None:
+        target.forward(pool[:batch_tokens], [batch_tokens], [cache], capture_layers, logits_for="last")
+        _sync(device)
+        cache.truncate(context_len)
 
     return profile_sps(step, grid, repeats=repeats, warmup=warmup)
 

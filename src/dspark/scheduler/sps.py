@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from dspark.errors import BadFileError
@@ -91,6 +92,19 @@ class SPSTable:
             return 0.0
         idx = bisect.bisect_right(self.sample_batch_tokens, batch_tokens) - 1
         return self.sample_steps_per_sec[max(idx, 0)]
+
+    def sps_array(self, batch_tokens: np.ndarray) -> np.ndarray:
+        """Vectorised ``sps`` in NumPy: int array of any shape -> float64 array of the same shape."""
+        probes, values = self._arrays
+        b = np.asarray(batch_tokens, dtype=np.int64)
+        idx = (np.searchsorted(probes, b, side="right") - 1).clip(min=0)
+        return np.where(b > self.max_batch_tokens, 0.0, values[idx])
+
+    @functools.cached_property
+    def _arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """(probes int64, values float64), built once."""
+        return (np.asarray(self.sample_batch_tokens, dtype=np.int64),
+                np.asarray(self.sample_steps_per_sec, dtype=np.float64))
 
     def sps_tensor(self, batch_tokens: torch.Tensor) -> torch.Tensor:
         """Vectorised ``sps``: int tensor of any shape -> float64 tensor of the same shape."""

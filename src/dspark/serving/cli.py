@@ -28,7 +28,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sps-table", default=None,
                    help="SGLang-format SPS JSON from `dspark profile`; without it alg1/async profile quickly at start")
     p.add_argument("--sts", default=None, help="STS JSON (per-position confidence temperatures)")
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--threads", type=int, default=argparse.SUPPRESS,  # not None: `dspark --threads N serve` must keep N
                    help="torch CPU threads (default: torch's choice; 1 is often fastest on a busy shared CPU)")
     p.add_argument("--fallback-confidence", type=float, default=1.0,
                    help="confidence given to drafters without a confidence head (default: %(default)s; "

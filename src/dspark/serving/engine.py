@@ -41,7 +41,7 @@ import time
 import traceback
 from collections import deque
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 from dspark.drafters.base import Drafter, NoDrafter, RequestState
 from dspark.errors import DSparkError, PromptError
@@ -51,6 +51,7 @@ from dspark.modeling.kv_cache import KVCache
 from dspark.sampling.processing import SamplingParams
 from dspark.scheduler.confidence import ConfidenceAdapter
 from dspark.scheduler.policies import VerifyPolicy
+from dspark.serving.engine_stats import EngineStats, StepTimes
 from dspark.target.model import TargetModel
 
 log = logging.getLogger("dspark.serving")
@@ -175,47 +176,6 @@ class RequestHandle:
 
 
 @dataclass
-class EngineStats:
-    """Counters since start plus the current batch; ``snapshot`` copies them under the lock."""
-
-    steps: int = 0  # speculative steps (one target verify pass each)
-    request_steps: int = 0  # sum over steps of the batch size
-    verified_tokens: int = 0  # draft tokens sent to verification, sum of l_r
-    accepted_tokens: int = 0  # draft tokens accepted
-    committed_tokens: int = 0  # sum of acceptance lengths tau (bonus included)
-    prompt_tokens: int = 0
-    generation_tokens: int = 0  # tokens streamed to clients (first tokens included)
-    draft_seconds: float = 0.0
-    verify_seconds: float = 0.0
-    prefill_seconds: float = 0.0
-    requests: dict[str, int] = field(default_factory=dict)  # outcome -> count ("stop", "rejected", ...)
-    batch_size: int = 0  # active requests now
-    queue_depth: int = 0  # waiting requests now
-    max_batch: int = 0
-    max_queue: int = 0
-
-    @property
-    def avg_acceptance_length(self) -> float:
-        """tau: committed tokens per request-step, bonus included."""
-        return self.committed_tokens / self.request_steps if self.request_steps else 0.0
-
-    @property
-    def avg_verify_len(self) -> float:
-        """Mean l_r: draft tokens verified per request-step (the target checks 1 + l_r)."""
-        return self.verified_tokens / self.request_steps if self.request_steps else 0.0
-
-    @property
-    def avg_batch_size(self) -> float:
-        return self.request_steps / self.steps if self.steps else 0.0
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d.update(avg_acceptance_length=self.avg_acceptance_length, avg_verify_len=self.avg_verify_len,
-                 avg_batch_size=self.avg_batch_size)
-        return d
-
-
-@dataclass
 class _Active:
     handle: RequestHandle
     state: RequestState
@@ -242,6 +202,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._ids = itertools.count()
         self._stats = EngineStats(max_batch=self.config.max_batch, max_queue=self.config.max_queue)
+        self.step_times = StepTimes()  # pass times by batch tokens: the SPS table this load saw
 
     # ================================================================ public API
     def start(self) -> "Engine":
@@ -423,6 +384,7 @@ class Engine:
             self._release_slots(len(batch))
             return
         elapsed = time.perf_counter() - t0
+        self.step_times.add("prefill", sum(counts), elapsed)
         done = [e for e, c in zip(batch, complete) if c]
         self._prefilling = [e for e, c in zip(batch, complete) if not c] + self._prefilling[len(batch):]
         self._active.extend(done)
@@ -439,6 +401,7 @@ class Engine:
 
     def _step(self) -> None:
         batch = self._active
+        t0 = time.perf_counter()
         try:
             outcomes, timings = speculative_step(
                 self.target, self.drafter, [a.state for a in batch], [a.cache for a in batch],
@@ -463,6 +426,7 @@ class Engine:
                 a.handle._emit(StreamEvent(list(o.new_tokens), a.state.finish_reason if a.state.finished else None))
             if a.state.finished:
                 self._count(a.state.finish_reason)
+        self.step_times.add("verify", len(batch) + verified, time.perf_counter() - t0)
         with self._cv:
             st = self._stats
             st.steps += 1

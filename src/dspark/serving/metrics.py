@@ -33,7 +33,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.parser import text_string_to_metric_families
 
 from dspark.generation.stats import AcceptanceStats
-from dspark.serving.engine import EngineStats
+from dspark.serving.engine_stats import EngineStats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 

@@ -44,12 +44,21 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--sps-table", help="SPS JSON (`dspark profile`, or SGLang's): times every verify step")
     g.add_argument("--roofline", choices=ROOFLINES, help="a roofline-derived SPS table instead (simulate/roofline.py)")
     g.add_argument("--prefill-sps-table", help="SPS JSON for prefill batches (default: --sps-table, extrapolated)")
+    g.add_argument("--policy-sps-table",
+                   help="the SPS JSON alg1/async plan with, when it is not the one that times the steps (e.g. "
+                   "timing from a load test's observed_verify_sps.json, planning with the table that test's server "
+                   "was given); default: --sps-table / --roofline")
     g.add_argument("--no-prefill", action="store_true", help="prefill runs elsewhere (disaggregated): costs 0")
     g.add_argument("--step-overhead-ms", type=float, default=0.0,
                    help="drafting and host time added to every step (default: %(default)s)")
     d = p.add_argument_group("drafter")
     d.add_argument("--stats", help="drafter-statistics JSON, or a `dspark eval` results.json (every draft verified)")
-    d.add_argument("--drafter-name", help="which drafter of a results.json")
+    d.add_argument("--drafter-name", help="which drafter of a results.json (and of a --trace samples.jsonl)")
+    d.add_argument("--per-request-stats", action="store_true",
+                   help="each request of --trace (a `dspark eval` samples.jsonl) drafts from that record's own "
+                   "statistics, in trace order, instead of its benchmark's pooled ones: requests then differ as "
+                   "much as the measured ones did, which per-user speed (a mean over requests) depends on; for "
+                   "drafters without a confidence head")
     d.add_argument("--paper-drafter", choices=("DSpark", "DFlash", "Eagle3"),
                    help="the paper's acceptance (Table 1, Fig. 2; simulate/paper.py) instead of --stats")
     d.add_argument("--paper-target", default="Qwen3-8B", help="Table 1 row for --paper-drafter (default: %(default)s)")
@@ -97,8 +106,10 @@ def load_sps(path: str, what: str = "SPS table"):
     return table
 
 
-def load_trace(path: str) -> list[tuple[int, int]]:
-    lengths = []
+def load_trace(path: str, drafter: str | None = None) -> tuple[list[tuple[int, int]], list[dict]]:
+    """(prompt tokens, output tokens) per request of a trace, and its records; records of a `dspark eval`
+    samples.jsonl that name another drafter than ``drafter`` are left out."""
+    lengths, records = [], []
     try:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
     except OSError as err:
@@ -108,13 +119,17 @@ def load_trace(path: str) -> list[tuple[int, int]]:
             continue
         try:
             rec = json.loads(line)
+            if drafter is not None and rec.get("drafter", drafter) != drafter:
+                continue
             out = rec["new_tokens"] if "new_tokens" in rec else rec["output_tokens"]
             lengths.append((int(rec["prompt_tokens"]), int(out)))
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            records.append(rec)
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError):
             raise DSparkError(f"trace {path}:{i + 1}: expected JSON with prompt_tokens and new_tokens") from None
     if not lengths or any(p < 1 or o < 1 for p, o in lengths):
-        raise DSparkError(f"trace {path}: needs requests with prompt_tokens >= 1 and new_tokens >= 1")
-    return lengths
+        raise DSparkError(f"trace {path}: needs requests with prompt_tokens >= 1 and new_tokens >= 1"
+                          + (f" (of drafter {drafter!r})" if drafter else ""))
+    return lengths, records
 
 
 def _simulate(args: argparse.Namespace) -> int:
@@ -128,12 +143,17 @@ def _simulate(args: argparse.Namespace) -> int:
         parse_policy(name)  # a typo fails before any simulation
     if (args.sps_table is None) == (args.roofline is None):
         raise DSparkError("give --sps-table or --roofline")
-    if (args.stats is None) == (args.paper_drafter is None):
-        raise DSparkError("give --stats or --paper-drafter")
+    if sum(x is not None for x in (args.stats, args.paper_drafter)) + args.per_request_stats != 1:
+        raise DSparkError("give one of --stats, --paper-drafter, --per-request-stats")
+    if args.per_request_stats and not args.trace:
+        raise DSparkError("--per-request-stats reads each request's statistics from --trace (a `dspark eval` "
+                          "samples.jsonl); give --trace")
     if (args.users is None) == (args.rate is None):
         raise DSparkError("give --users or --rate")
     if (args.num_requests is None) == (args.duration is None):
         raise DSparkError("give --num-requests or --duration")
+    if Path(args.out_dir).exists() and not Path(args.out_dir).is_dir():
+        raise DSparkError(f"--out-dir {args.out_dir} is a file, not a folder")
     meta: dict = {}
     if args.roofline:
         from dspark.simulate.roofline import dense_8b_h200
@@ -144,10 +164,24 @@ def _simulate(args: argparse.Namespace) -> int:
     else:
         verify = load_sps(args.sps_table)
     prefill = load_sps(args.prefill_sps_table, "prefill SPS table") if args.prefill_sps_table else None
+    lengths, records = load_trace(args.trace, args.drafter_name) if args.trace else ([(args.prompt_len,
+                                                                                    args.output_len)], [])
+    domains = None
     if args.paper_drafter:
         from dspark.simulate.paper import paper_drafters
 
         stats = paper_drafters(args.paper_target)[args.paper_drafter]
+    elif args.per_request_stats:
+        from dspark.simulate.stats import StatsError, per_request_stats
+
+        try:
+            stats = per_request_stats(records, args.drafter_name or "drafter", args.trace)
+        except (ValueError, KeyError, TypeError) as err:
+            raise StatsError(f"trace {args.trace}: {err}") from None
+        if args.block_size is not None and stats.block_size != args.block_size:
+            raise StatsError(f"trace {args.trace}: statistics are for block size {stats.block_size}, "
+                             f"not {args.block_size}")
+        domains = list(range(len(records)))  # request i drafts as trace record i did
     else:
         stats = load_stats(args.stats, args.drafter_name, args.block_size)
     loads = _floats(args.users or args.rate, "--users" if args.users else "--rate")
@@ -156,22 +190,25 @@ def _simulate(args: argparse.Namespace) -> int:
     if args.users and max(loads) > verify.max_batch_tokens:
         raise DSparkError(f"{args.sps_table or args.roofline}: max_batch_tokens {verify.max_batch_tokens} is below "
                           f"{max(loads):g} users (one token each); profile larger batches")
-    lengths = load_trace(args.trace) if args.trace else [(args.prompt_len, args.output_len)]
     clock = StepClock(verify, prefill, not args.no_prefill, args.step_overhead_ms / 1e3)
 
     def workload(load: float) -> Workload:
         closed = args.users is not None
         n = None if args.num_requests is None else max(args.num_requests, int(load) if closed else 1)
         return Workload(users=int(load) if closed else 0, rate=0.0 if closed else load, num_requests=n,
-                        duration_s=args.duration, warmup_s=args.warmup, lengths=lengths, max_batch=args.max_batch,
+                        duration_s=args.duration, warmup_s=args.warmup, lengths=lengths, domains=domains,
+                        max_batch=args.max_batch,
                         prefill_chunk=args.prefill_chunk or None)
 
     meta.update(drafter=stats.name, block_size=stats.block_size, stats_source=stats.source,
                 domains={n: {"tau_verify_all": stats.tau_verify_all(n)} for n in stats.domains},
                 has_confidence=stats.has_confidence, sps_table=args.sps_table or args.roofline,
+                policy_sps_table=args.policy_sps_table,
                 step_overhead_ms=args.step_overhead_ms, prefill=not args.no_prefill, num_lengths=len(lengths))
     print(f"[dspark] simulating {stats.name} (block size {stats.block_size}) on {meta['sps_table']}")
-    rows = sweep(policies, loads, stats, clock, workload, args.seed, args.fallback_confidence)
+    policy_sps = load_sps(args.policy_sps_table, "policy SPS table") if args.policy_sps_table else None
+    rows = sweep(policies, loads, stats, clock, workload, args.seed, args.fallback_confidence,
+                 policy_sps=policy_sps)
     meta["matched_throughput"] = {f"{p} vs {b}": matched_throughput(rows, p, b)
                                   for b in policies if b.startswith("fixed:") for p in policies if p != b}
     comparison = []

@@ -75,6 +75,9 @@ class Workload:
     duration_s: float | None = None  # or after this much simulated time
     warmup_s: float = 0.0  # duration mode: what happens before it is not measured
     lengths: Sequence[tuple[int, int]] = ((128, 256),)  # (prompt tokens, output tokens), used round-robin
+    # request i drafts from the stats' domain domains[i % len] (per-request statistics of a trace, in the same
+    # round-robin order as lengths); None: a domain drawn by the domains' weights
+    domains: Sequence[int] | None = None
     max_batch: int | None = None  # default: the users (closed loop), else 256
     prefill_chunk: int | None = 256  # most prompt tokens fed between two steps (EngineConfig.prefill_chunk)
 
@@ -133,6 +136,9 @@ def simulate(policy: str | ConfidenceAdapter, stats: DrafterStats, clock: StepCl
     name = policy if isinstance(policy, str) else adapter.name
     rng = np.random.default_rng(seed)
     sampler = DraftSampler(stats)
+    if workload.domains is not None and (not workload.domains or not all(
+            0 <= d < len(sampler.names) for d in workload.domains)):
+        raise StatsError(f"workload domains must index the {len(sampler.names)} statistics domains")
     closed = workload.users > 0
     max_batch = workload.max_batch or (workload.users if closed else 256)
     limit = workload.num_requests
@@ -140,20 +146,29 @@ def simulate(policy: str | ConfidenceAdapter, stats: DrafterStats, clock: StepCl
     warm = workload.warmup_s if workload.duration_s else 0.0
     res = SimResult(name, workload.load, closed, 0.0, 0)
     lengths = np.array(workload.lengths, dtype=np.int64)  # (L, 2) prompt, output
-    # requests as columns: submit time, prompt, output, domain, generated; the active batch is a list of ids
-    submit, prompt, output, domain, generated = [], [], [], [], []
+    # requests as columns: submit time, prompt, output, domain (lists, appended per request); generated tokens
+    # in a NumPy array indexed by request id, grown by doubling, with output and domain mirrored for the batch
+    submit, prompt, output, domain = [], [], [], []
+    generated = np.zeros(1024, dtype=np.int64)  # (capacity,)
+    output_arr = np.zeros(1024, dtype=np.int64)  # (capacity,)
+    domain_arr = np.zeros(1024, dtype=np.int64)  # (capacity,)
     waiting: deque[int] = deque()
     active = np.zeros(0, dtype=np.int64)  # (R,) request ids in the batch
     prefilling: list[int] = []  # admitted, prompt not yet complete
     fed: dict[int, int] = {}  # prompt tokens prefilled so far
 
     def new_request(t: float) -> None:
+        nonlocal generated, output_arr, domain_arr
         rid = len(submit)
+        if rid == len(generated):
+            generated, output_arr, domain_arr = (np.concatenate([a, np.zeros_like(a)])
+                                                 for a in (generated, output_arr, domain_arr))
         submit.append(t)
         prompt.append(int(lengths[rid % len(lengths), 0]))
         output.append(int(lengths[rid % len(lengths), 1]))
-        domain.append(int(sampler.draw_domains(1, rng)[0]))
-        generated.append(0)
+        picked = workload.domains
+        domain.append(int(picked[rid % len(picked)]) if picked else int(sampler.draw_domains(1, rng)[0]))
+        output_arr[rid], domain_arr[rid] = output[rid], domain[rid]
         waiting.append(rid)
 
     for _ in range(min(workload.users, limit or workload.users) if closed else 0):
@@ -166,7 +181,7 @@ def simulate(policy: str | ConfidenceAdapter, stats: DrafterStats, clock: StepCl
         for rid in rids:
             finished += 1
             if submit[rid] >= warm and now <= t_end:
-                res.latencies.append((generated[rid], now - submit[rid]))
+                res.latencies.append((int(generated[rid]), now - submit[rid]))
             if closed and (limit is None or len(submit) < limit):
                 new_request(now)
 
@@ -201,14 +216,12 @@ def simulate(policy: str | ConfidenceAdapter, stats: DrafterStats, clock: StepCl
             retire([r for r in admitted if output[r] <= 1], t)
             active = np.concatenate([active, [r for r in admitted if output[r] > 1]]).astype(np.int64)
         if len(active):
-            gen = np.array([generated[r] for r in active])  # (R,)
-            left = np.array([output[r] for r in active]) - gen  # (R,)
-            doms = np.array([domain[r] for r in active])  # (R,)
-            t, new = _step(doms, left, sampler, adapter, clock, stats.block_size, rng, res, t)
+            gen = generated[active]  # (R,)
+            left = output_arr[active] - gen  # (R,)
+            t, new = _step(domain_arr[active], left, sampler, adapter, clock, stats.block_size, rng, res, t)
             if warm <= t <= t_end:
                 res.tokens += int(new.sum())
-            for r, g in zip(active.tolist(), (gen + new).tolist()):
-                generated[r] = g
+            generated[active] = gen + new
             done = new >= left
             retire(active[done].tolist(), t)
             active = active[~done]

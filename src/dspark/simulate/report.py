@@ -21,13 +21,14 @@ from dspark.tables import Column, fmt, records_table
 
 def sweep(policies: Sequence[str], loads: Sequence[float], stats: DrafterStats, clock: StepClock,
           workload: Callable[[float], Workload], seed: int = 0, fallback_confidence: float = 1.0,
-          label: str = "", log=print) -> list[dict]:
-    """One simulated row per (policy, load); ``workload(load)`` builds the arrivals."""
+          label: str = "", log=print, policy_sps=None) -> list[dict]:
+    """One simulated row per (policy, load); ``workload(load)`` builds the arrivals. ``policy_sps``: the table
+    the policies plan with, when it is not the one that times the steps (``clock.verify``)."""
     rows = []
     for policy in policies:
         for load in loads:
             start = time.perf_counter()
-            res = simulate(policy, stats, clock, workload(load), seed, fallback_confidence)
+            res = simulate(policy, stats, clock, workload(load), seed, fallback_confidence, policy_sps)
             row = res.row()
             row["policy"] = f"{label}{policy}"
             row["sim_seconds"] = time.perf_counter() - start

@@ -159,8 +159,6 @@ def stats_from_dict(data: Any, block_size: int | None = None) -> DrafterStats:
 
 def from_eval_results(results: Mapping[str, Any], drafter: str, source: str = "") -> DrafterStats:
     """Per-benchmark statistics of one drafter in a ``dspark eval`` results.json (every draft verified)."""
-    from dspark.generation.stats import AcceptanceStats
-
     drafters = results.get("drafters") if isinstance(results, dict) else None
     if not isinstance(drafters, dict) or drafter not in drafters:
         names = sorted(drafters) if isinstance(drafters, dict) else []
@@ -171,17 +169,46 @@ def from_eval_results(results: Mapping[str, Any], drafter: str, source: str = ""
     for bench, summary in drafters[drafter]["benchmarks"].items():
         if not summary.get("num_samples"):
             continue
-        counters = summary["stats"]
-        stats = AcceptanceStats(counters["block_size"], counters["counts"], counters["sum_acceptance_length"])
-        K = stats.block_size
-        props = [float(sum(row)) for row in stats.counts]
-        cond = [0.0 if math.isnan(p) else p for p in stats.per_position_acceptance()]
+        K, props, cond = _from_counters(summary["stats"])
         conf = summary.get("confidence") or {}
         bins = conf.get("position_bins")
         domains[bench] = {"weight": 1.0, "proposal_lengths": props, "conditional_acceptance": cond,
                           "confidence_bins": _bins_for(bins, cond) if bins else None}
     if not domains:
         raise ValueError(f"drafter {drafter!r} has no evaluated samples")
+    return stats_from_dict({"kind": KIND, "name": drafter, "block_size": K, "source": source, "domains": domains})
+
+
+def _from_counters(counters: Mapping[str, Any]) -> tuple[int, list[float], list[float]]:
+    """An ``AcceptanceStats`` JSON -> (K, proposal-length frequencies (K + 1,), conditional acceptance (K,))."""
+    from dspark.generation.stats import AcceptanceStats
+
+    stats = AcceptanceStats(counters["block_size"], counters["counts"], counters["sum_acceptance_length"])
+    props = [float(sum(row)) for row in stats.counts]
+    cond = [0.0 if math.isnan(p) else p for p in stats.per_position_acceptance()]
+    return stats.block_size, props, cond
+
+
+def per_request_stats(records: list[Mapping[str, Any]], drafter: str, source: str = "") -> DrafterStats:
+    """One domain per ``dspark eval`` samples.jsonl record, from the record's own ``stats`` counters, in record
+    order: request i of a trace then drafts as record i did, so requests differ as much as the measured ones.
+    Records carry no confidence bins: for drafters without a confidence head (every draft's confidence is the
+    policy's fallback)."""
+    domains, K = {}, None
+    for i, rec in enumerate(records):
+        counters = rec.get("stats") if isinstance(rec, dict) else None
+        if not isinstance(counters, dict):
+            raise ValueError(f"record {i + 1} has no \"stats\" counters (a `dspark eval` samples.jsonl has them)")
+        k, props, cond = _from_counters(counters)
+        if K is not None and k != K:
+            raise ValueError(f"record {i + 1} has block size {k}, the first one {K}")
+        K = k
+        if not any(props):
+            props = [1.0] + [0.0] * K  # a request decoded in no step (a one-token answer): it proposes nothing
+        domains[f"{i}:{rec.get('dataset', '')}"] = {"weight": 1.0, "proposal_lengths": props,
+                                                    "conditional_acceptance": cond, "confidence_bins": None}
+    if not domains:
+        raise ValueError("no records")
     return stats_from_dict({"kind": KIND, "name": drafter, "block_size": K, "source": source, "domains": domains})
 
 
@@ -243,6 +270,11 @@ class DraftSampler:
                 self.conf[i, k, :m], self.accept[i, k, :m] = c, acc
                 self.bin_cdf[i, k, :m] = np.cumsum(wk / wk.sum())
         self.bin_cdf[..., -1] = 1.0  # guard against rounding
+        # every (domain, position) CDF shifted by 2 x its row index into one increasing array: one searchsorted
+        # then finds the bins of all R x K draws at once (u + 2 x row lies inside row's own stretch)
+        D, M = len(doms), self.conf.shape[2]
+        self._row = np.arange(D * K).reshape(D, K)  # (D, K) row index of (domain, position)
+        self._flat_cdf = (self.bin_cdf + 2.0 * self._row[..., None]).reshape(-1)  # (D * K * M,)
 
     def draw_domains(self, n: int, rng: np.random.Generator) -> np.ndarray:  # (n,) domain index
         return rng.choice(len(self.names), size=n, p=self.domain_p)
@@ -251,8 +283,11 @@ class DraftSampler:
         """num_tokens (R,), confidences (R, K) or None, accepted flags (R, K) for requests of ``domains`` (R,)."""
         R, K = len(domains), self.stats.block_size
         num_tokens = (rng.random((R, 1)) >= self.prop_cdf[domains]).sum(1).clip(max=K)  # (R,)
-        u = rng.random((R, K, 1))
-        idx = (u >= self.bin_cdf[domains]).sum(-1).clip(max=self.conf.shape[2] - 1)  # (R, K) bin per draft
+        u = rng.random((R, K))
+        M = self.conf.shape[2]
+        row = self._row[domains]  # (R, K)
+        # the first bin whose CDF exceeds u (as counting the CDF values <= u), within the row's stretch
+        idx = (np.searchsorted(self._flat_cdf, u + 2.0 * row, side="right") - row * M).clip(max=M - 1)  # (R, K)
         pick = (domains[:, None], np.arange(K)[None, :], idx)
         accepted = rng.random((R, K)) < self.accept[pick]  # (R, K)
         confidences = self.conf[pick] if self.stats.has_confidence else None  # (R, K)

@@ -48,6 +48,10 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--save-dtype", choices=DTYPE_NAMES, default=None,
                    help="dtype of each checkpoint's model.safetensors; sets the config's 'save_dtype' (default: the "
                    "config's, bfloat16 unless it says otherwise; float32 keeps full-precision drafter files)")
+    p.add_argument("--init-from", metavar="CHECKPOINT", default=None,
+                   help="start from this drafter checkpoint's weights (same kind and architecture; its draft "
+                   "vocabulary comes with it) with a fresh optimizer and LR schedule: fine-tune a drafter on new "
+                   "data, or warm-start from a shorter run; sets the config's 'init_from'")
     start = p.add_mutually_exclusive_group()
     start.add_argument("--resume", action="store_true",
                        help="continue from OUT/step_latest (or the newest complete OUT/step_N when step_latest is "
@@ -65,7 +69,7 @@ def _train(args: argparse.Namespace) -> int:
 
     threads = getattr(args, "threads", None) or int(os.environ.get("DSPARK_THREADS", "0") or 0) or None
     cfg = load_config(args.config, args.overrides, drafter=args.drafter, out=args.out, num_threads=threads,
-                      device=args.device, save_dtype=args.save_dtype)
+                      device=args.device, save_dtype=args.save_dtype, init_from=args.init_from)
     if args.print_config:
         print(json.dumps(cfg.to_dict(), indent=2))
         return 0

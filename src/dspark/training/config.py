@@ -61,10 +61,15 @@ class TrainConfig:
     # auto: build the feature cache (cache_dir, else OUT/feature-cache) on the first pass when it fits on disk, then
     # read it | online: run the target per sample, every epoch | cache: read an existing cache (cache_dir)
     feature_source: str = "auto"
-    cache_dir: str | None = None  # the feature cache (``dspark data features``) for feature_source "cache" / "auto"
+    # the feature cache (``dspark data features``) for feature_source "cache" / "auto"; several folders (a list) are
+    # read as one dataset, e.g. regenerated answers and labelled text cached apart (all must exist)
+    cache_dir: str | list[str] | None = None
     # DSpark/DFlash: draft only these tokens (LM-head and Markov rows over them; stored in the checkpoint):
     draft_vocab_size: int | None = None  # the N most frequent answer tokens of the training data
     draft_vocab_file: str | None = None  # or a `dspark data vocab` file
+    # start from this checkpoint's weights (same kind; its architecture and draft vocabulary) with a fresh optimizer
+    # and LR schedule: fine-tuning a drafter on new data, or a warm start from a shorter run (draft_vocab_* ignored)
+    init_from: str | None = None
     dtype: str = "float32"  # drafter and target compute dtype; the optimizer keeps fp32 master weights
     device: str = "cpu"  # cpu | cuda | auto (`dspark train --device` sets it)
     save_dtype: str = "bfloat16"  # model.safetensors of each checkpoint (resume reads the fp32 master weights)
@@ -82,6 +87,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if isinstance(self.data, str):
             self.data = [self.data]
+        if isinstance(self.cache_dir, list) and len(self.cache_dir) == 1:
+            self.cache_dir = self.cache_dir[0]
         self.validate()
 
     def validate(self) -> None:
@@ -97,6 +104,8 @@ class TrainConfig:
                       f"not {self.drafter}")
         if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
             raise bad(f"draft_vocab_size must be >= 1, got {self.draft_vocab_size}")
+        if isinstance(self.cache_dir, list) and not all(isinstance(c, str) and c for c in self.cache_dir):
+            raise bad(f"cache_dir must be a folder or a list of folders, got {self.cache_dir!r}")
         if self.feature_source not in FEATURE_SOURCES:
             raise bad(f"feature_source must be one of {', '.join(FEATURE_SOURCES)}, got {self.feature_source!r}")
         if self.dtype not in DTYPES:

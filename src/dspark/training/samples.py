@@ -50,8 +50,28 @@ def auto_cache_dir(cfg: TrainConfig) -> Path:
     return Path(cfg.cache_dir) if cfg.cache_dir else Path(cfg.out) / "feature-cache"
 
 
-def prepare_feature_cache(cfg: TrainConfig, target, layer_ids: list[int], is_main: bool = True) -> str | None:
-    """``feature_source`` "auto": the cache folder to read (built now if needed and it fits), or None = online."""
+def cache_folders(folder: str | list[str]) -> list[str]:
+    return [folder] if isinstance(folder, (str, Path)) else list(folder)
+
+
+def open_feature_caches(folder: str | list[str], dtype: torch.dtype, max_length: int | None):
+    """One ``FeatureCacheDataset``, or several read as one (``cache_dir`` a list): samples in list order."""
+    from torch.utils.data import ConcatDataset
+
+    caches = [features.FeatureCacheDataset(f, dtype=dtype, max_length=max_length) for f in cache_folders(folder)]
+    return caches[0] if len(caches) == 1 else ConcatDataset(caches)
+
+
+def prepare_feature_cache(cfg: TrainConfig, target, layer_ids: list[int], is_main: bool = True
+                          ) -> str | list[str] | None:
+    """``feature_source`` "auto": the cache folder to read (built now if needed and it fits), or None = online.
+    Several folders (``cache_dir`` a list) are never built here: each must hold a finished cache."""
+    if isinstance(cfg.cache_dir, list):
+        missing = [f for f in cfg.cache_dir if not (Path(f) / "manifest.json").is_file()]
+        if missing:
+            raise TrainConfigError(f"cache_dir lists {', '.join(missing)}, which hold no finished feature cache "
+                                   "(build each with `dspark data features`)")
+        return list(cfg.cache_dir)
     folder = auto_cache_dir(cfg)
     if (folder / "manifest.json").is_file():
         return str(folder)
@@ -92,7 +112,8 @@ class _Prefix:
 
 
 def build_sample_source(cfg: TrainConfig, target, layer_ids: list[int], dtype: torch.dtype,
-                        dataset=None, logsumexp: bool = False, cache_dir: str | None = None) -> SampleSource:
+                        dataset=None, logsumexp: bool = False, cache_dir: str | list[str] | None = None
+                        ) -> SampleSource:
     """Index -> TrainSample as ``cfg.feature_source`` says (``cache_dir``: the folder "auto" resolved, None =
     online); with ``logsumexp`` every sample carries ``target_logsumexp``."""
     source = cfg.feature_source
@@ -103,12 +124,11 @@ def build_sample_source(cfg: TrainConfig, target, layer_ids: list[int], dtype: t
             folder = cache_dir or cfg.cache_dir
             if not folder:
                 raise TrainConfigError("feature_source is 'cache' but cache_dir is not set")
-            dataset = features.FeatureCacheDataset(folder, dtype=dtype, max_length=cfg.max_length)
-            if layer_ids:
-                features.check_cache_fits(dataset.manifest, layer_ids, target.hidden_size, target, folder)
-            else:  # a drafter that reads only the final hidden state can use any cache of this target
-                features.check_cache_fits(dataset.manifest, dataset.manifest["target_layer_ids"], target.hidden_size,
-                                          target, folder)
+            dataset = open_feature_caches(folder, dtype, cfg.max_length)
+            for cache in getattr(dataset, "datasets", [dataset]):
+                # a drafter that reads only the final hidden state can use any cache of this target
+                ids = layer_ids or cache.manifest["target_layer_ids"]
+                features.check_cache_fits(cache.manifest, ids, target.hidden_size, target, cache.cache_dir)
         size = len(dataset)
         read = dataset.__getitem__ if layer_ids else (lambda i: _without_features(dataset[i]))
         get = read if not logsumexp else (lambda i: with_logsumexp(target, read(i)))
@@ -178,7 +198,7 @@ def draft_vocab_ids(cfg: TrainConfig, target, cache_dir: str | None = None) -> l
     if cfg.draft_vocab_size >= target.vocab_size:
         return None
     folder = None if cfg.data else (cache_dir or cfg.cache_dir)  # count the tokenized data when there is some
-    data = features.FeatureCacheDataset(folder) if folder else load_token_dataset(cfg.data)
+    data = open_feature_caches(folder, torch.float32, None) if folder else load_token_dataset(cfg.data)
     n = len(data) if cfg.max_samples is None else min(len(data), cfg.max_samples)
     counts = count_sequences((_tokens(data[i]) for i in range(n)), target.vocab_size, str(folder or cfg.data))
     ids, coverage = build_draft_vocab(counts, cfg.draft_vocab_size, sorted(target.eos_token_ids))

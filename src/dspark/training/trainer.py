@@ -194,6 +194,37 @@ def build_drafter(cfg: TrainConfig, target, draft_vocab: list[int] | None = None
     return model_class.from_target(target, model_cfg)
 
 
+def init_drafter(cfg: TrainConfig, target) -> nn.Module:
+    """The drafter of checkpoint ``cfg.init_from`` for ``target``, in float32, to train further.
+
+    It must be of ``cfg.drafter``'s kind, and ``cfg.model`` may only repeat its architecture (its config.json
+    decides); its draft vocabulary comes with it. The optimizer and LR schedule start fresh.
+    """
+    from dspark.drafters.registry import checkpoint_kind
+
+    path = Path(cfg.init_from)
+    if not (path / "config.json").is_file():
+        raise TrainConfigError(f"init_from {path}: not a drafter checkpoint folder (no config.json)")
+    entry = kind_entry(cfg.drafter)
+    found = checkpoint_kind(path)
+    if kind_entry(found).model_class is not entry.model_class:
+        raise TrainConfigError(f"init_from {path}: a {found} checkpoint, but this run trains {cfg.drafter}")
+    model = entry.model_class.from_checkpoint(path, target)
+    wanted = dict(cfg.model)
+    if cfg.drafter == "dflash":  # a DFlash run must not start from a DSpark checkpoint's heads
+        wanted.update(markov_rank=0, enable_confidence_head=False)
+    differ = {k: (getattr(model.config, k, None), v) for k, v in wanted.items() if getattr(model.config, k, None) != v}
+    if differ:
+        shown = ", ".join(f"{k}={have!r} (config: {want!r})" for k, (have, want) in sorted(differ.items()))
+        raise TrainConfigError(f"init_from {path}: its architecture differs from the training config: {shown}")
+    if cfg.draft_vocab_size is not None or cfg.draft_vocab_file:
+        vocab = getattr(model, "draft_vocab", None)
+        print(f"[dspark] init_from: the checkpoint's draft vocabulary "
+              f"({'all tokens' if vocab is None else f'{vocab.numel()} tokens'}) replaces draft_vocab_size/file",
+              flush=True)
+    return model.float()
+
+
 def with_loss(model: nn.Module) -> DrafterWithLoss:
     """``model`` joined with its kind's loss module, configured by the model's own config."""
     return DrafterWithLoss(model, model_kind_entry(model).loss_class(model.config))
@@ -281,6 +312,8 @@ class Trainer:
 
             target = load_target(cfg.target, dtype=self.dtype, tokenizer=False)
         target.model.to(self.device)
+        if model is None and cfg.init_from:
+            model = init_drafter(cfg, target)
         self.model = model if model is not None else build_drafter(cfg, target, draft_vocab_ids(cfg, target))
         self.fsdp = d.distributed and cfg.parallel == "fsdp"  # FSDP keeps fp32 shards, computes in self.dtype
         self.model.to(device=self.device, dtype=torch.float32 if self.fsdp else self.dtype)

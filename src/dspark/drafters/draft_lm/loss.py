@@ -5,7 +5,9 @@ assistant token, ``loss_mask[t+1] = 1``) of
 
     KL(target_probs_t || draft_probs_t) = sum_v target_probs log(target_probs / draft_probs)
 
-plus ``ce_loss_alpha`` times the hard-label cross-entropy (0 by default). V-sized
+plus ``ce_loss_alpha`` times the hard-label cross-entropy (0 by default). Where the next
+token's ``loss_mask`` is ``TARGET_LABEL`` (labelled existing text) the hard label is the
+target's argmax, not the data token (docs/training.md §Teacher-forced labelling). V-sized
 tensors exist only for ``ROW_CHUNK`` rows at a time, recomputed in backward.
 
 Shapes: L = sequence length, M = supervised positions, H = hidden size, V = vocabulary.
@@ -19,7 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from dspark.drafters.draft_lm.config import DraftLMConfig
 from dspark.drafters.draft_lm.model import DraftLMModel, DraftLMOutputs
-from dspark.drafters.losses import ROW_CHUNK, connected_zero
+from dspark.drafters.losses import ROW_CHUNK, TARGET_LABEL, connected_zero, target_argmax_labels
 from dspark.drafters.sample import TrainSample
 
 
@@ -27,8 +29,10 @@ def kl_row_terms(
     draft_logits: torch.Tensor,  # (m, V)
     target_logits: torch.Tensor,  # (m, V) no grad needed
     labels: torch.Tensor,  # (m,) int64 next tokens
+    from_target: torch.Tensor | None = None,  # (m,) bool: CE label = the target's argmax
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # kl (m,), ce (m,), soft acceptance (m,) (no grad)
     """KL(target_probs || draft_probs), hard-label CE and sum_v min(draft_probs, target_probs), at T = 1."""
+    labels = target_argmax_labels(labels, target_logits, from_target)
     draft_logp = torch.log_softmax(draft_logits.float(), dim=-1)  # (m, V)
     target_logp = torch.log_softmax(target_logits.float(), dim=-1).detach()
     target_probs = target_logp.exp()
@@ -55,16 +59,18 @@ class DraftLMLoss(nn.Module):
         hidden = outputs.hidden[rows]  # (M, H)
         target_hidden = sample.target_last_hidden[rows]  # (M, H)
         labels = ids[rows + 1]  # (M,)
+        from_target = sample.loss_mask[rows + 1] == TARGET_LABEL  # (M,) bool
 
-        def one(h, t_hidden, lab):
+        def one(h, t_hidden, lab, from_t):
             with torch.no_grad():
                 target_logits = model.teacher_logits(t_hidden)
-            return kl_row_terms(model.lm.logits(h), target_logits, lab)
+            return kl_row_terms(model.lm.logits(h), target_logits, lab, from_t)
 
         use_ckpt = torch.is_grad_enabled()
         parts = []
         for s in range(0, rows.numel(), ROW_CHUNK):
-            args = (hidden[s : s + ROW_CHUNK], target_hidden[s : s + ROW_CHUNK], labels[s : s + ROW_CHUNK])
+            args = (hidden[s : s + ROW_CHUNK], target_hidden[s : s + ROW_CHUNK], labels[s : s + ROW_CHUNK],
+                    from_target[s : s + ROW_CHUNK])
             parts.append(checkpoint(one, *args, use_reentrant=False) if use_ckpt else one(*args))
         kl, ce, acc = (torch.cat(x) for x in zip(*parts))
         loss = kl.mean()

@@ -17,6 +17,10 @@ The W-sized logits of the supervised rows are built here through the model's hea
 (``draft_logits``, ``target_logits``): see ``chunked_row_terms``. With a draft vocabulary
 the target distribution is the full one restricted to the W tokens (normalised by the
 sample's ``target_logsumexp``); CE skips labels outside; docs/training.md §Draft vocabulary.
+
+A row whose label token has ``loss_mask`` = ``TARGET_LABEL`` (teacher-forced labelling of
+existing text) takes the target's argmax as its CE label instead of the data token (over
+the W tokens with a draft vocabulary); docs/training.md §Teacher-forced labelling.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from torch import nn
 from dspark.drafters.dspark.config import DSparkConfig
 from dspark.drafters.dspark.model import DSparkModel, DSparkOutputs
 from dspark.drafters.losses import (
+    TARGET_LABEL,
     chunked_row_terms,
     confidence_bce,
     connected_zero,
@@ -67,6 +72,8 @@ class DSparkLoss(nn.Module):
         target_rows = blocks.target_index.flatten()[rows]  # (M,)
         target_hidden = sample.target_last_hidden[target_rows]  # (M, H)
         labels = model.draft_index(blocks.labels.flatten()[rows])  # (M,) w, -1 outside the draft vocabulary
+        # supervised rows predict position target_rows + 1 < L; TARGET_LABEL there: CE label = the target's argmax
+        from_target = sample.loss_mask[target_rows + 1] == TARGET_LABEL  # (M,) bool
         w = weights.flatten()[rows]  # (M,)
         lse = None
         if model.draft_vocab is not None:
@@ -75,9 +82,9 @@ class DSparkLoss(nn.Module):
                                   "target_logsumexp (feature cache or online samples built for it)")
             lse = sample.target_logsumexp[target_rows]  # (M,)
         ce, l1 = chunked_row_terms(model.draft_logits, model.target_logits, (hidden, latents), target_hidden, labels,
-                                   target_lse=lse, vocab=model.draft_size)
+                                   target_lse=lse, vocab=model.draft_size, from_target=from_target)
         soft = (1.0 - 0.5 * l1.detach()).clamp(0.0, 1.0)  # eq. (8): c* = sum_v min(p_d, p_t)
-        ce_w = w if lse is None else w * (labels >= 0)  # CE only where the label can be drafted
+        ce_w = w if lse is None else w * ((labels >= 0) | from_target)  # CE only where the label can be drafted
         loss_ce = weighted_mean(ce, ce_w)  # eq. (9)
         loss_l1 = weighted_mean(l1, w)  # eq. (10)
         total = cfg.ce_loss_alpha * loss_ce
