@@ -5,7 +5,8 @@
 # feature cache plus
 #   regen: the answers to the next prompts (stage 2's features2; stage 2 of bench/reference_drafter.sh is this arm)
 #   label: LABEL_NUM records of `dspark data label` (about as many supervised tokens)
-# then both are evaluated as the reference drafter is (8 sets x 2 prompts, 128 new tokens, greedy, one thread).
+# then both are evaluated as the reference drafter is (8 sets x 2 prompts, 128 new tokens, greedy and temperature 1,
+# one thread).
 # Every step resumes. Needs stage 1 and stage 2's data (features2) of bench/reference_drafter.sh first.
 #   bash bench/data_mix.sh            # RUN=runs/ref TRAIN_S=2400 LABEL_NUM=700
 set -euo pipefail
@@ -13,7 +14,8 @@ DSPARK=${DSPARK:-.venv/bin/dspark}
 R=${RUN:-runs/ref}
 TRAIN_S=${TRAIN_S:-2400}
 LABEL_NUM=${LABEL_NUM:-700}
-EVAL=${EVAL:-runs/data-mix-eval}
+EVAL=${EVAL:-runs/data-mix-eval}      # greedy
+EVAL1=${EVAL1:-runs/data-mix-eval-t1}  # temperature 1
 D="$DSPARK --threads 1"
 [ -f "$R/labelled.jsonl" ] || $D data label --out "$R/labelled.jsonl" --num "$LABEL_NUM" --seed 11 \
   --max-answer-chars 1500
@@ -32,4 +34,10 @@ $D eval --datasets all --limit 2 --max-new-tokens 128 --temperature 0 --out "$EV
   --drafter "regen=$R/dspark2/step_latest" &
 $D eval --datasets all --limit 2 --max-new-tokens 128 --temperature 0 --out "$EVAL/label" --no-progress \
   --drafter "label=$R/dspark-label/step_latest" &
+wait
+for arm in regen label; do
+  spec=$([ $arm = regen ] && echo "$R/dspark2/step_latest" || echo "$R/dspark-label/step_latest")
+  $D eval --datasets all --limit 2 --max-new-tokens 128 --temperature 1 --out "$EVAL1/$arm" --no-progress \
+    --drafter "$arm=$spec" &
+done
 wait

@@ -37,7 +37,8 @@ PY
 # ---- stage 2: more answers, a warm start ---------------------------------------------------------------------
 # The answers to the next prompts (the first NUM2 of the 3,000) go into a feature cache of their own; DSpark then
 # trains on both caches (cache_dir as a list), starting from stage 1's weights with a fresh optimizer and LR schedule
-# (--init-from) for TRAIN2_S seconds on THREADS2 threads. Skipped unless NUM2 > NUM.
+# (--init-from) for TRAIN2_S seconds on THREADS2 threads. Skipped unless NUM2 > NUM. Run with NUM2=1200: it is the
+# "regen" arm of bench/data_mix.sh, which also trains the labelled-text arm and evaluates both.
 NUM2=${NUM2:-0}
 TRAIN2_S=${TRAIN2_S:-2400}
 THREADS2=${THREADS2:-1}
@@ -62,10 +63,6 @@ PY
     --init-from "$R/dspark/step_latest" --set "cache_dir=[\"$R/features\", \"$R/features2\"]" \
     --set feature_source=cache --set max_length=512 --set dtype=bfloat16 --set epochs=200 \
     --set "time_budget_s=$TRAIN2_S" --set checkpoint_every=100 --set keep_checkpoints=100
-  .venv/bin/python - "$R/dspark2/step_latest" checkpoints/smollm2-135m-dspark <<'PY'
-import sys, torch
-from dspark.drafters.dspark.model import DSparkModel
-from dspark.target.model import load_target
-DSparkModel.from_checkpoint(sys.argv[1], load_target("smollm2-135m")).save_checkpoint(sys.argv[2], torch.bfloat16)
-PY
+  # not packaged: stage 2 was not measurably better than stage 1 (docs/reference-drafter.md §Stage 2); replace
+  # checkpoints/smollm2-135m-dspark only with a drafter that is
 fi

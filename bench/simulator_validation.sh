@@ -10,7 +10,7 @@ DSPARK=${DSPARK:-.venv/bin/dspark}
 OUT=${OUT:-runs/simval}
 mkdir -p $OUT
 MAX_TOKENS=32
-NUM_REQUESTS=8
+NUM_REQUESTS=${NUM_REQUESTS:-16}  # requests per load point, and prompts (the first NUM_REQUESTS of the round-robin mix)
 uptime
 # one prompt file for the eval (drafter statistics and length trace) and the load test: the first prompt of
 # each packaged evaluation set, in the load test's own round-robin order
