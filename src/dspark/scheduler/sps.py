@@ -107,21 +107,8 @@ class SPSTable:
                 np.asarray(self.sample_steps_per_sec, dtype=np.float64))
 
     def sps_tensor(self, batch_tokens: torch.Tensor) -> torch.Tensor:
-        """Vectorised ``sps``: int tensor of any shape -> float64 tensor of the same shape."""
-        probes, values = self._tensors
-        if batch_tokens.device != probes.device:
-            probes, values = probes.to(batch_tokens.device), values.to(batch_tokens.device)
-        b = batch_tokens.to(torch.int64)
-        idx = (torch.bucketize(b, probes, right=True) - 1).clamp_(min=0)
-        return values[idx].masked_fill_(b > self.max_batch_tokens, 0.0)
-
-    @functools.cached_property
-    def _tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(probes int64, values float64) on the CPU, built once."""
-        return (
-            torch.tensor(self.sample_batch_tokens, dtype=torch.int64),
-            torch.tensor(self.sample_steps_per_sec, dtype=torch.float64),
-        )
+        """``sps_array`` for a tensor: int tensor of any shape -> float64 tensor of the same shape and device."""
+        return torch.from_numpy(self.sps_array(batch_tokens.detach().cpu().numpy())).to(batch_tokens.device)
 
     @property
     def is_flat(self) -> bool:

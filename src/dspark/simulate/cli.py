@@ -90,7 +90,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_simulate)
 
 
-def load_sps(path: str, what: str = "SPS table"):
+def load_sps(path: str, what: str = "--sps-table"):
     """SPSTable.load plus the simulator's own check: steps/s must not grow with batch tokens."""
     from dspark.scheduler.sps import SPSTable
     from dspark.simulate.stats import StatsError
@@ -98,7 +98,7 @@ def load_sps(path: str, what: str = "SPS table"):
     try:
         table = SPSTable.load(path)
     except ValueError as err:
-        raise StatsError(f"{what} {err}" if str(path) in str(err) else f"{what} {path}: {err}") from None
+        raise StatsError(f"{what}: {err}" if str(path) in str(err) else f"{what} {path}: {err}") from None
     first, last = table.sample_steps_per_sec[0], table.sample_steps_per_sec[-1]
     if last > TREND_LIMIT * first:
         raise StatsError(f"{what} {path}: steps/s rise from {first:g} to {last:g} with batch tokens; a step over "
@@ -163,7 +163,7 @@ def _simulate(args: argparse.Namespace) -> int:
         meta["roofline"] = roof.describe()
     else:
         verify = load_sps(args.sps_table)
-    prefill = load_sps(args.prefill_sps_table, "prefill SPS table") if args.prefill_sps_table else None
+    prefill = load_sps(args.prefill_sps_table, "--prefill-sps-table") if args.prefill_sps_table else None
     lengths, records = load_trace(args.trace, args.drafter_name) if args.trace else ([(args.prompt_len,
                                                                                     args.output_len)], [])
     domains = None
@@ -206,7 +206,7 @@ def _simulate(args: argparse.Namespace) -> int:
                 policy_sps_table=args.policy_sps_table,
                 step_overhead_ms=args.step_overhead_ms, prefill=not args.no_prefill, num_lengths=len(lengths))
     print(f"[dspark] simulating {stats.name} (block size {stats.block_size}) on {meta['sps_table']}")
-    policy_sps = load_sps(args.policy_sps_table, "policy SPS table") if args.policy_sps_table else None
+    policy_sps = load_sps(args.policy_sps_table, "--policy-sps-table") if args.policy_sps_table else None
     rows = sweep(policies, loads, stats, clock, workload, args.seed, args.fallback_confidence,
                  policy_sps=policy_sps)
     meta["matched_throughput"] = {f"{p} vs {b}": matched_throughput(rows, p, b)

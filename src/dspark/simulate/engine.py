@@ -146,29 +146,27 @@ def simulate(policy: str | ConfidenceAdapter, stats: DrafterStats, clock: StepCl
     warm = workload.warmup_s if workload.duration_s else 0.0
     res = SimResult(name, workload.load, closed, 0.0, 0)
     lengths = np.array(workload.lengths, dtype=np.int64)  # (L, 2) prompt, output
-    # requests as columns: submit time, prompt, output, domain (lists, appended per request); generated tokens
-    # in a NumPy array indexed by request id, grown by doubling, with output and domain mirrored for the batch
-    submit, prompt, output, domain = [], [], [], []
+    # requests as columns indexed by request id: submit time and prompt tokens in lists; output tokens, domain and
+    # generated tokens in NumPy arrays (grown by doubling), which the batch gathers each step
+    submit, prompt = [], []
+    output = np.zeros(1024, dtype=np.int64)  # (capacity,)
+    domain = np.zeros(1024, dtype=np.int64)  # (capacity,)
     generated = np.zeros(1024, dtype=np.int64)  # (capacity,)
-    output_arr = np.zeros(1024, dtype=np.int64)  # (capacity,)
-    domain_arr = np.zeros(1024, dtype=np.int64)  # (capacity,)
     waiting: deque[int] = deque()
     active = np.zeros(0, dtype=np.int64)  # (R,) request ids in the batch
     prefilling: list[int] = []  # admitted, prompt not yet complete
     fed: dict[int, int] = {}  # prompt tokens prefilled so far
 
     def new_request(t: float) -> None:
-        nonlocal generated, output_arr, domain_arr
+        nonlocal generated, output, domain
         rid = len(submit)
         if rid == len(generated):
-            generated, output_arr, domain_arr = (np.concatenate([a, np.zeros_like(a)])
-                                                 for a in (generated, output_arr, domain_arr))
+            generated, output, domain = (np.concatenate([a, np.zeros_like(a)]) for a in (generated, output, domain))
         submit.append(t)
         prompt.append(int(lengths[rid % len(lengths), 0]))
-        output.append(int(lengths[rid % len(lengths), 1]))
+        output[rid] = lengths[rid % len(lengths), 1]
         picked = workload.domains
-        domain.append(int(picked[rid % len(picked)]) if picked else int(sampler.draw_domains(1, rng)[0]))
-        output_arr[rid], domain_arr[rid] = output[rid], domain[rid]
+        domain[rid] = picked[rid % len(picked)] if picked else sampler.draw_domains(1, rng)[0]
         waiting.append(rid)
 
     for _ in range(min(workload.users, limit or workload.users) if closed else 0):
@@ -217,8 +215,8 @@ def simulate(policy: str | ConfidenceAdapter, stats: DrafterStats, clock: StepCl
             active = np.concatenate([active, [r for r in admitted if output[r] > 1]]).astype(np.int64)
         if len(active):
             gen = generated[active]  # (R,)
-            left = output_arr[active] - gen  # (R,)
-            t, new = _step(domain_arr[active], left, sampler, adapter, clock, stats.block_size, rng, res, t)
+            left = output[active] - gen  # (R,)
+            t, new = _step(domain[active], left, sampler, adapter, clock, stats.block_size, rng, res, t)
             if warm <= t <= t_end:
                 res.tokens += int(new.sum())
             generated[active] = gen + new
