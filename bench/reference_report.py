@@ -1,23 +1,26 @@
-"""Write docs/reference-drafter.md: the shipped reference drafter against its DFlash twin, prompt lookup and hybrid.
+"""Write docs/results.md: the shipped reference drafter against its DFlash twin, prompt lookup and hybrid.
 
-Reads the `dspark eval` results of bench/reference_drafter.sh's evaluation step and the two training summaries:
+Reads the `dspark eval` and `dspark calibrate` results and the training summaries; bench/reference_eval.sh runs
+them all (each command is there) and then this script:
 
-    python bench/reference_report.py --run runs/ref --eval runs/ref-eval [--out docs/reference-drafter.md]
+    python bench/reference_report.py --run runs/ref --eval runs/ref-eval [--out docs/results.md]
 
-Evaluation folders expected under --eval: t0, t0-hybrid (temperature 0), t1, t1-hybrid (temperature 1), each from
-    dspark --threads 1 eval --datasets all --limit 2 --max-new-tokens 128 --temperature T --out EVAL/tT \\
-        --drafter dspark=checkpoints/smollm2-135m-dspark --drafter dflash=RUN/dflash/step_S --drafter prompt-lookup=prompt-lookup
-    dspark --threads 1 eval ... --out EVAL/tT-hybrid --hybrid --drafter hybrid=checkpoints/smollm2-135m-dspark
-Stage 2 (optional): --data-mix and --data-mix-t1 are bench/data_mix.sh's EVAL and EVAL1 folders; their rows are
-dspark-stage2 (more regenerated answers) and dspark-label (teacher-forced labelled text), both fine-tuned from stage 1.
+--eval holds t0, t0-hybrid (temperature 0), t1, t1-hybrid (temperature 1) and t1-sts (temperature 1 with the STS
+temperatures of --calibration applied); t0-hybrid-static and t1-hybrid-static, where present, are the hybrid's
+evaluations from before its adaptive choice on short n-gram matches (rows hybrid-static). Stage 2 (optional): --data-mix and --data-mix-t1 are bench/data_mix.sh's
+EVAL and EVAL1 folders; their rows are dspark-stage2 (more regenerated answers) and dspark-label (teacher-forced
+labelled text), both fine-tuned from stage 1.
+The per-position curves and the reliability diagram are copied to docs/figures/reference/.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 from pathlib import Path
 
+from dspark.evaluation.report import confidence_rows
 from dspark.tables import fmt, markdown_table
 
 BENCHES = ("gsm8k", "math500", "aime25", "mbpp", "humaneval", "livecodebench", "mt-bench", "arena-hard-v2")
@@ -47,6 +50,51 @@ def _curve_table(results: dict) -> list[list[str]]:
     return rows
 
 
+def _calibration_parts(calib: Path | None, sts_eval: Path | None, figures: Path, out: Path) -> list[str]:
+    """The confidence head: STS fitted on held-out rows (before/after), then raw vs STS on the evaluation sets."""
+    parts: list[str] = []
+    report = json.loads((calib / "calibration.json").read_text()) if calib and (calib / "calibration.json").is_file() else None
+    if report:
+        b, a = report["before"], report["after"]
+        parts += [
+            "## Calibration of the confidence head (paper Fig. 6)\n",
+            f"STS (one temperature per draft position) fitted on {report['num_prompts']} held-out prompts "
+            f"({report['heldout']}; {report['num_steps']} speculative steps at temperature {report['temperature']:g}, "
+            f"{report['max_new_tokens']} new tokens), disjoint from the evaluated rows. Temperatures: "
+            + ", ".join(f"{t:.3g}" for t in report["temperatures"]) + ". The confidence predicts the cumulative "
+            "survival 'drafts 1..k all accepted'; ECE over "
+            f"{report['n_bins']} equal-width bins, count-weighted over positions.\n",
+            "\n".join(markdown_table(["held-out", "ECE", "AUROC", "Brier"], [
+                ["before STS (raw)", fmt(b["ece_mean"], 4), fmt(b["auc_mean"], 3), fmt(b["brier_mean"], 4)],
+                ["after STS", fmt(a["ece_mean"], 4), fmt(a["auc_mean"], 3), fmt(a["brier_mean"], 4)]])) + "\n",
+            "Per position (held-out, ECE raw -> STS): " + ", ".join(
+                f"k={pb['position'] + 1} {fmt(pb['ece'], 3)} -> {fmt(pa['ece'], 3)}"
+                for pb, pa in zip(b.get("per_position", []), a.get("per_position", []))) + "\n",
+        ]
+        if (calib / "reliability.png").is_file():
+            shutil.copy(calib / "reliability.png", figures / "reliability.png")
+            parts.append(f"![reliability]({(figures / 'reliability.png').relative_to(out.parent)})\n")
+    if sts_eval and (sts_eval / "results.json").is_file():
+        results = json.loads((sts_eval / "results.json").read_text())
+        parts += ["On the evaluation sets (temperature 1, the rows of the tables above), raw against STS:\n",
+                  "\n".join(markdown_table(["drafter", "benchmark", "ECE", "AUROC", "Brier", "predictions"],
+                                           confidence_rows(results))) + "\n"]
+    return parts
+
+
+def _copy_curves(ev: Path, figures: Path, out: Path) -> list[str]:
+    """Per-position acceptance figures of the stage-1 evaluations, copied beside the page."""
+    lines = []
+    for temp in ("0", "1"):
+        pngs = sorted((ev / f"t{temp}").glob("acceptance_*.png"))
+        for png in pngs:
+            dest = figures / f"t{temp}-{png.name}"
+            shutil.copy(png, dest)
+            lines.append(f"![{dest.stem}]({dest.relative_to(out.parent)})")
+    return (["## Per-position acceptance curves (paper Fig. 2)\n", "Greedy (t0) and temperature 1 (t1), per "
+             "domain, from the stage-1 evaluations:\n", "\n".join(lines) + "\n"] if lines else [])
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run", default="runs/ref", help="bench/reference_drafter.sh's RUN folder")
@@ -56,8 +104,13 @@ def main() -> int:
     p.add_argument("--data-mix", default=None,
                    help="bench/data_mix.sh's EVAL folder (regen/ and label/, greedy): the two stage-2 arms")
     p.add_argument("--data-mix-t1", default=None, help="bench/data_mix.sh's EVAL1 folder (temperature 1)")
-    p.add_argument("--out", default="docs/reference-drafter.md")
+    p.add_argument("--calibration", default=None, help="`dspark calibrate --out` folder of the reference drafter")
+    p.add_argument("--sts-eval", default=None, help="temperature-1 evaluation with --sts (see the docstring)")
+    p.add_argument("--out", default="docs/results.md")
     args = p.parse_args()
+    out = Path(args.out)
+    figures = out.parent / "figures" / "reference"
+    figures.mkdir(parents=True, exist_ok=True)
     run, ev = Path(args.run), Path(args.eval)
     names = ("dspark", "dflash", "dspark2", "dspark-label")
     summaries = {k: json.loads((run / k / "train_summary.json").read_text()) for k in names
@@ -65,12 +118,17 @@ def main() -> int:
     head = ["drafter", "GSM8K", "MATH500", "AIME25", "MBPP", "HumanEval", "LCB", "MT-Bench", "Arena-Hard",
             "Math", "Code", "Chat", "Overall"]
     parts = [
-        "# The reference drafter (checkpoints/smollm2-135m-dspark)\n",
-        "Written by `python bench/reference_report.py --run runs/ref --eval runs/ref-eval --data-mix "
-        "runs/data-mix-eval --data-mix-t1 runs/data-mix-eval-t1` from the runs of `bash bench/reference_drafter.sh` "
-        "(data, training, packaging), `bash bench/data_mix.sh` (stage 2) and the evaluations named in this "
-        "script's docstring and in bench/data_mix.sh (all 8 sets, 2 prompts each, 128 new tokens, batch 1, every "
-        "draft verified, float32, one thread). The shipped drafter is stage 1's `dspark`.\n",
+        "# Results: the reference drafter (checkpoints/smollm2-135m-dspark)\n",
+        "Paper Table 1 (acceptance length at temperature 0 and 1), the per-position curves and the confidence "
+        "head's calibration, for the shipped DSpark drafter and DFlash trained beside it on the same data and "
+        "steps. Written by `python bench/reference_report.py --run runs/ref --eval runs/ref-eval --data-mix "
+        "runs/data-mix-eval --data-mix-t1 runs/data-mix-eval-t1 --calibration runs/ref-calib --sts-eval "
+        "runs/ref-eval/t1-sts` (the last step of `bash bench/reference_eval.sh`) from the runs of `bash "
+        "bench/reference_drafter.sh` (data, training, packaging), `bash bench/data_mix.sh` (stage 2) and the "
+        "evaluations of bench/reference_eval.sh and bench/data_mix.sh (all 8 sets, 2 prompts each, 128 new "
+        "tokens, batch 1, every "
+        "draft verified, float32, one thread). The shipped drafter is stage 1's `dspark`. The older study of all "
+        "four drafters at minutes of training each (`dspark reproduce`) is [results-study.md](results-study.md).\n",
         "## Training (one thread each, bf16 with fp32 master weights)\n",
         "Stage 1: dspark and dflash side by side on the same data (the first 560 prompts' answers) from scratch. "
         "Stage 2 (when run): dspark2 and dspark-label side by side, both from dspark's last checkpoint "
@@ -83,6 +141,8 @@ def main() -> int:
     ]
     for temp in ("0", "1"):
         results = {**_drafters(ev / f"t{temp}"), **_drafters(ev / f"t{temp}-hybrid")}
+        # the hybrid before its adaptive choice on short matches (evaluated before that change, kept for comparison)
+        results.update({f"{k}-static": d for k, d in _drafters(ev / f"t{temp}-hybrid-static").items()})
         if args.eval2:
             results.update({**_drafters(Path(args.eval2) / f"t{temp}"), **_drafters(Path(args.eval2) / f"t{temp}-hybrid")})
         mix = {"0": args.data_mix, "1": args.data_mix_t1}[temp]
@@ -96,7 +156,10 @@ def main() -> int:
         if temp == "0":
             parts.append("Evaluated checkpoints (DFlash at the step count of DSpark's last checkpoint, rounded down to "
                          "its checkpoint interval: the same data and steps): "
-                         + "; ".join(f"{k} = `{d['spec']}`" for k, d in results.items()) + "\n")
+                         + "; ".join(f"{k} = `{d['spec']}`" for k, d in results.items()) + ". hybrid = `--hybrid` "
+                         "(prompt lookup on 3-gram repeats, on shorter repeats while their running acceptance pays "
+                         "more than DSpark's, else DSpark); hybrid-static = the same before that adaptive choice "
+                         "(prompt lookup on 3-gram repeats only).\n")
         parts += [f"## Acceptance length tau, {label} (bonus token included)\n",
                   "\n".join(markdown_table(head, _tau_table(results))) + "\n",
                   f"Per-position conditional acceptance, {label} (P(draft k accepted | drafts < k accepted)):\n",
@@ -120,7 +183,10 @@ def main() -> int:
                   "move. Neither arm is measurably better than stage 1, so the shipped drafter stays stage 1's; "
                   "what each arm's data cost is in [data-throughput.md §Which data per CPU-hour]"
                   "(data-throughput.md#which-data-per-cpu-hour).\n"]
-    Path(args.out).write_text("\n".join(parts))
+    parts += _copy_curves(ev, figures, out)
+    parts += _calibration_parts(Path(args.calibration) if args.calibration else None,
+                                Path(args.sts_eval) if args.sts_eval else None, figures, out)
+    out.write_text("\n".join(parts))
     print(f"wrote {args.out}")
     return 0
 

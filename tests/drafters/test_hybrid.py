@@ -5,7 +5,7 @@ import torch
 
 from dspark.drafters.base import NoDrafter
 from dspark.drafters.dspark.drafter import DSparkDrafter
-from dspark.drafters.hybrid import HybridDrafter
+from dspark.drafters.hybrid import HybridDrafter, HybridTrack
 from dspark.generation.generator import SpeculativeGenerator
 from dspark.sampling.processing import SamplingParams
 from tests.drafters.tiny_drafters import LAYER_IDS, request_after, tiny_dspark
@@ -82,6 +82,7 @@ def test_sampled_tokens_follow_the_target(lossy):
     pairs = torch.tensor([r.output_ids[1] * V + r.output_ids[2] for r in out])
     fit = goodness_of_fit(pairs, _joint_of_drafted_tokens(target, prompt, V))
     assert hybrid.lookup_steps > 0 and hybrid.model_steps > 0
+    assert hybrid.short_lookup_steps > 0  # the adaptive choice on 1-gram matches was exercised too
     if lossy:
         assert not fit.passes and fit.p_value < 1e-9, fit  # chi-square rejects far beyond the bound
     else:
@@ -97,3 +98,46 @@ def test_load_drafter_wraps_a_checkpoint_when_asked(tiny, tmp_path):
     hybrid = load_drafter(str(tmp_path), tiny, DraftingOptions(hybrid=True, hybrid_min_ngram=2))
     assert isinstance(hybrid, HybridDrafter) and not isinstance(plain, HybridDrafter)
     assert (hybrid.min_ngram, hybrid.block_size, hybrid.target_layer_ids) == (2, plain.block_size, plain.target_layer_ids)
+
+
+def test_a_track_reads_the_accepted_drafts_off_the_committed_tokens():
+    track = HybridTrack(last=("short", 4, [7, 8, 9]))
+    track.observe([1, 2, 3, 6, 7, 8, 5, 2], alpha=0.5)  # drafts 7 8 accepted, 9 replaced by 5
+    assert track.short_lookup == 1.0 + 0.5 * (2 - 1.0) and track.model == 1.0 and track.last is None
+    track.last = ("model", 4, [3, 7])
+    track.observe([1, 2, 3, 6, 7, 8, 5, 2], alpha=0.5)  # the first draft already differs
+    assert track.model == 0.5
+    track.last = ("long", 4, [9])
+    track.observe([1, 2, 3, 6, 9], alpha=0.5)  # long matches are always drafted: nothing to learn
+    assert (track.short_lookup, track.model) == (1.5, 0.5)
+
+
+def test_a_short_match_is_drafted_only_while_it_pays_more_than_the_trained_drafter(tiny):
+    hybrid = _hybrid(tiny, min_ngram=3, draft_cost=0.2)
+    short_only = [5, 9, 13, 40, 41, 9]  # "9" occurred before (continuation 13 40 41 9); no earlier "41 9"
+    sp = SamplingParams(temperature=1.0, max_new_tokens=32, seed=3)
+
+    def source(short_lookup: float, model: float) -> str:
+        req = request_after(tiny, short_only, LAYER_IDS, sp)
+        req.hybrid_state = HybridTrack(short_lookup=short_lookup, model=model)
+        block = hybrid.propose([req], [4])
+        kind = req.hybrid_state.last[0]
+        if kind == "short":
+            assert block.tokens[0, :4].tolist() == [13, 40, 41, 9]
+        return kind
+
+    assert source(1.0, 1.0) == "short"  # a tie goes to the lookup, which costs no drafting time
+    assert source(0.7, 1.0) == "short"  # (1 + 0.7) * 1.2 = 2.04 >= 2: still pays
+    assert source(0.5, 1.0) == "model"  # 1.8 < 2: the trained drafter commits more per unit of time
+    assert source(0.0, 3.0) == "model"
+    static = _hybrid(tiny, min_ngram=3, adaptive=False)
+    req = request_after(tiny, short_only, LAYER_IDS, sp)
+    static.propose([req], [4])
+    assert req.hybrid_state.last[0] == "model" and static.short_lookup_steps == 0
+
+
+def test_bad_adaptive_settings_are_refused(tiny):
+    with pytest.raises(ValueError, match="draft_cost"):
+        _hybrid(tiny, draft_cost=-0.1)
+    with pytest.raises(ValueError, match="alpha"):
+        _hybrid(tiny, alpha=0.0)

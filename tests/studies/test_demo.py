@@ -8,7 +8,7 @@ import pytest
 
 from dspark.cli import main
 from dspark.drafters.dspark.drafter import save_dspark_checkpoint
-from dspark.target.model import load_target
+from dspark.target.model import cpu_has_bf16_matmul, load_target
 from dspark.data.tokenized import write_tokenized
 from tests.drafters.tiny_drafters import tiny_dspark
 from tests.tiny import save_chat_target
@@ -40,7 +40,7 @@ def test_demo_reuses_a_drafter_with_its_own_draft_vocabulary(demo_setup, capsys)
     assert vocab["source"] == str(root / "tok") and vocab["size"] == 4096
     table = [line for line in out.splitlines() if line.startswith("| ") and "decoding" not in line]
     assert len(table) == 4 and all(line.rstrip().endswith("| yes |") for line in table), out
-    assert "| hybrid (lookup on 3-gram repeats, else DSpark) |" in out
+    assert "| hybrid (prompt lookup on repeats, else DSpark) |" in out
 
 
 def test_demo_can_be_told_to_use_the_exact_settings(demo_setup, capsys):
@@ -53,7 +53,7 @@ def test_demo_can_be_told_to_use_the_exact_settings(demo_setup, capsys):
 
 def test_demo_takes_the_shipped_reference_drafter_by_default(demo_setup, capsys, monkeypatch, tmp_path):
     """Without --drafter the demo decodes with checkpoints/smollm2-135m-dspark of the repository it runs in,
-    in float32, and every row equals plain decoding exactly."""
+    in bfloat16 where the CPU multiplies it natively (else float32), and every row equals plain decoding exactly."""
     import shutil
 
     target_dir, ckpt, root = demo_setup
@@ -63,6 +63,7 @@ def test_demo_takes_the_shipped_reference_drafter_by_default(demo_setup, capsys,
                  "--max-new-tokens", "5"]) == 0
     out = capsys.readouterr().out
     assert f"DSpark drafter: {tmp_path / 'checkpoints' / 'smollm2-135m-dspark'}" in out
-    assert "float32; DSpark head over the top 64 tokens" in out
+    dtype = "bfloat16" if cpu_has_bf16_matmul() else "float32"
+    assert f"{dtype}; DSpark head over the top 64 tokens" in out
     table = [line for line in out.splitlines() if line.startswith("| ") and "decoding" not in line]
     assert len(table) == 4 and all(line.rstrip().endswith("| yes |") for line in table), out

@@ -224,6 +224,9 @@ def add_speed(bench: argparse._SubParsersAction) -> None:
                    "context repeats an n-gram, the drafter elsewhere; rows '<row>+hybrid')")
     p.add_argument("--hybrid-min-ngram", type=int, default=3, metavar="N",
                    help="shortest repeated n-gram that switches a hybrid step to prompt lookup (default: %(default)s)")
+    p.add_argument("--hybrid-static", action="store_true",
+                   help="with --hybrid: also time the hybrid without its adaptive choice on shorter matches (rows "
+                   "'<row>+hybrid-static'), the rule before it")
     add_device_option(p, help="where the target, the drafters and the HF models run (default: auto = cuda when "
                       "a GPU is available, else cpu)")
     add_dtype_option(p, "the target, the drafters and the HF models")
@@ -265,7 +268,7 @@ def _bench_speed(args: argparse.Namespace) -> int:
             warmup_tokens=args.warmup_tokens, dtype=dtype, device=device, compile=args.compile,
             head_top_m=args.head_top_m,
             draft_vocab=args.draft_vocab, hybrid=args.hybrid, hybrid_min_ngram=args.hybrid_min_ngram,
-            jsonl=[list(item) for item in args.jsonl],
+            hybrid_static=args.hybrid_static, jsonl=[list(item) for item in args.jsonl],
         )
         result = run_speed_bench(cfg, _command_line("speed"), lambda msg: print(msg, file=sys.stderr, flush=True))
     paths = write_outputs(result, args.out_dir, args.doc or None)

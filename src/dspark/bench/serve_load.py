@@ -242,7 +242,8 @@ def run_sweep(cfg: SweepConfig, log=print) -> tuple[list[dict], dict]:
     from dspark.target.model import load_target
 
     specs = [parse_policy(p) for p in cfg.policies]  # fail early on a typo
-    target = load_target(cfg.target, dtype=torch_dtype(cfg.dtype), fuse=True, device=cfg.device)
+    target = load_target(cfg.target, dtype=torch_dtype(cfg.dtype), fuse=True, device=cfg.device,
+                         batch_invariant=True, pack=not cfg.compile)
     if cfg.compile:
         from dspark.modeling.compile import compile_decoder
 

@@ -32,7 +32,8 @@ Per row and temperature:
                   from the first speculative step on (prefill and first token, shared by all, excluded)
   efficiency    = (decode x) / ideal: the share of the ideal that the decode loop realises; below 1 is
                   time outside draft + verify (bookkeeping, committing, Python), a little above 1 is noise
-  greedy match  = prompts whose greedy output equals hf-generate's token for token
+  greedy match  = prompts whose greedy output equals plain decoding's token for token: ours-plain's for our
+                  drafting rows, hf-generate's for transformers' rows and for ours-plain
   peak RSS      = the process's resident-set high-water mark (VmHWM) during the row's calls, reset before
                   each call through /proc/self/clear_refs; "+RSS" = that peak minus the RSS just before the
                   call (what the call itself allocated: KV caches, activations). All models stay loaded in
@@ -51,7 +52,7 @@ from typing import Any
 
 from dspark.bench.machine import MemoryProbe, machine_info
 from dspark.bench.speed_methods import (HF_PLAIN, OURS_PLAIN, BenchPrompt, Method, SpeedConfig, build_methods,
-                                        select_prompts)
+                                        greedy_reference, select_prompts)
 from dspark.errors import DSparkError
 
 
@@ -75,7 +76,7 @@ class CallRecord:
     decode_s: float | None = None  # ours: wall seconds from the first step on (prefill and first token excluded)
     step_draft_s: list[float] = field(default_factory=list)
     step_verify_s: list[float] = field(default_factory=list)
-    matches_reference: bool | None = None  # greedy: equal to hf-generate's (or ours-plain's) output
+    matches_reference: bool | None = None  # greedy: equal to greedy_reference(method)'s output
     first_mismatch: int | None = None
 
 
@@ -113,10 +114,10 @@ def measure(methods: list[Method], prompts: list[BenchPrompt], cfg: SpeedConfig,
 
 
 def _compare_greedy(records: list[CallRecord], outputs: dict[str, list[int]]) -> None:
-    ref = outputs.get(HF_PLAIN, outputs.get(OURS_PLAIN))
-    if ref is None:
-        return
     for r in records:
+        ref = outputs.get(greedy_reference(r.method) or "")
+        if ref is None:
+            continue
         out = outputs[r.method]
         r.matches_reference = out == ref
         if not r.matches_reference:
@@ -188,7 +189,7 @@ def run_speed_bench(cfg: SpeedConfig, command: str = "", log=print) -> dict[str,
 
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     t0 = time.perf_counter()
-    target = load_target(cfg.target, dtype=torch_dtype(cfg.dtype), fuse=True, device=cfg.device)
+    target = load_target(cfg.target, dtype=torch_dtype(cfg.dtype), fuse=True, device=cfg.device, batch_invariant=True)
     if target.tokenizer is None:
         raise DSparkError(f"{cfg.target} has no tokenizer; the speed benchmark encodes text prompts")
     prompts = select_prompts(target, cfg)
@@ -197,7 +198,7 @@ def run_speed_bench(cfg: SpeedConfig, command: str = "", log=print) -> dict[str,
         from dspark.modeling.compile import compile_decoder
 
         compiled = load_target(cfg.target, dtype=torch_dtype(cfg.dtype), tokenizer=False, fuse=True,
-                               device=cfg.device)
+                               device=cfg.device, batch_invariant=True, pack=False)
         compile_decoder(compiled.model)
         log("[speed] compiled twin of the target: its first (warm-up) calls compile")
     methods = build_methods(target, cfg, log, compiled)

@@ -18,6 +18,14 @@ from dspark.target.presets import DEFAULT_TARGET
 HF_PLAIN, OURS_PLAIN = "hf-generate", "ours-plain"
 
 
+def greedy_reference(method: str) -> str | None:
+    """Whose greedy text a row must reproduce: ours-plain for our drafting rows (lossless decoding), hf-generate for
+    transformers' drafting rows and for ours-plain itself (our implementation against theirs)."""
+    if method == HF_PLAIN:
+        return None
+    return HF_PLAIN if method.startswith("hf-") or method == OURS_PLAIN else OURS_PLAIN
+
+
 @dataclass
 class SpeedConfig:
     target: str = DEFAULT_TARGET
@@ -42,6 +50,7 @@ class SpeedConfig:
     draft_vocab: str | None = None  # DSpark/DFlash rows with this draft vocabulary too (and the last M, if any)
     hybrid: bool = False  # a "+hybrid" row per --drafter: its cheapest variant with prompt lookup on repeats
     hybrid_min_ngram: int = 3
+    hybrid_static: bool = False  # also a "+hybrid-static" row: lookup on long matches only, no adaptive choice
     jsonl: list[list[str]] = field(default_factory=list)  # [NAME, FILE] prompt sets beside --sets
 
 
@@ -219,9 +228,15 @@ def build_methods(target, cfg: SpeedConfig, log=print, compiled_target=None) -> 
             if cfg.hybrid:
                 from dspark.drafters.hybrid import HybridDrafter
 
+                n = cfg.hybrid_min_ngram
                 methods.append(ours_method(f"{last[0]}+hybrid", target, HybridDrafter(
-                    last[1], target.vocab_size, min_ngram=cfg.hybrid_min_ngram),
-                    f"prompt lookup where the context repeats a {cfg.hybrid_min_ngram}-gram, else {last[0]} (--hybrid)"))
+                    last[1], target.vocab_size, min_ngram=n),
+                    f"prompt lookup where the context repeats a {n}-gram, or a shorter n-gram when its running "
+                    f"acceptance pays more than {last[0]}'s, else {last[0]} (--hybrid)"))
+                if cfg.hybrid_static:
+                    methods.append(ours_method(f"{last[0]}+hybrid-static", target, HybridDrafter(
+                        last[1], target.vocab_size, min_ngram=n, adaptive=False),
+                        f"prompt lookup where the context repeats a {n}-gram, else {last[0]} (no adaptive choice)"))
             twins.append(last)  # the compiled twin of each drafter row: its cheapest-drafting variant
     if compiled_target is not None:  # drafters read no target weights while drafting: shared with the twin
         methods += [ours_method(f"{name}+compile", compiled_target, drafter) for name, drafter in twins]

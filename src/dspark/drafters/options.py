@@ -96,11 +96,13 @@ def add_drafter_options(p: argparse.ArgumentParser) -> None:
                    help="DSpark/DFlash draft only the tokens of this `dspark data vocab` file: their base logits "
                    "use those LM-head rows only (default: the whole vocabulary)")
     p.add_argument("--hybrid", action="store_true",
-                   help="hybrid drafting: where the context already contains the last N tokens, draft what followed "
-                   "them (prompt lookup), elsewhere the trained drafter; still lossless (default: off)")
+                   help="hybrid drafting: where the context already contains its last N tokens, draft what followed "
+                   "them (prompt lookup); where only a shorter n-gram repeats, prompt lookup while its running "
+                   "acceptance pays more than the trained drafter's, else the trained drafter; still lossless "
+                   "(default: off)")
     p.add_argument("--hybrid-min-ngram", type=_positive, default=3, metavar="N",
-                   help="with --hybrid: the shortest repeated n-gram that switches a step to prompt lookup "
-                   "(default: %(default)s)")
+                   help="with --hybrid: the shortest repeated n-gram that is always drafted by prompt lookup; 1 = "
+                   "every repeat, without the adaptive choice (default: %(default)s)")
 
 
 @dataclass(frozen=True)
@@ -154,9 +156,11 @@ def load_target_from_args(args: argparse.Namespace, tokenizer: bool = True):
     from dspark.target.model import load_target
 
     device, dtype = resolve_target_args(args)
+    # decoding only: q/k/v and gate/up as one matmul each, one-token steps computed as verify blocks compute
+    compile_ = getattr(args, "compile", False)
     target = load_target(args.target, dtype=torch_dtype(dtype), tokenizer=tokenizer, device=device,
-                         fuse=True)  # decoding only: q/k/v and gate/up as one matmul each
-    if getattr(args, "compile", False):
+                         fuse=True, batch_invariant=True, pack=not compile_)
+    if compile_:
         from dspark.modeling.compile import compile_decoder
 
         compile_decoder(target.model)

@@ -5,6 +5,16 @@ once over all tokens, attention runs per request against that request's own
 KV cache. This is the shape of a verify step in serving: every request
 contributes 1 + verify_len tokens to one forward pass.
 
+Batch invariance (``batch_invariant``, CPU bfloat16): oneDNN computes a
+one-row matmul (a GEMV) with another reduction order than a matmul of two or
+more rows, whose rows all come out bitwise equal whatever their number. A
+one-token decode step and a verify block then round differently, so a greedy
+near-tie can flip between plain and speculative decoding. With the flag on, a
+forward or logits call of exactly one row runs on that row twice and keeps
+one: every row is computed as a verify block computes it (about 2 % of a
+one-token step on SmolLM2). ``TargetModel.batch_invariance_holds`` checks the
+property on the model itself.
+
 Shapes: N = tokens in the batch, H = hidden size, V = vocabulary,
 F = len(capture_layers) * H.
 """
@@ -40,6 +50,7 @@ class Decoder(nn.Module):
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.norm_offset)
+        self.batch_invariant = False  # run a lone row as two (see the module docstring)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # (N,) -> (N, H)
         x = self.embed_tokens(input_ids)
@@ -60,7 +71,11 @@ class Decoder(nn.Module):
                 cache.reserve(n)
         device = input_ids.device
         positions = torch.cat([torch.arange(s, s + n, device=device) for s, n in zip(starts, seq_lens)])  # (N,)
-        x = self.embed(input_ids)  # (N, H)
+        N = input_ids.shape[0]
+        pad = self.batch_invariant and N == 1  # the dense layers see 2 rows, attention the real one
+        if pad:
+            input_ids, positions = input_ids.repeat(2), positions.repeat(2)
+        x = self.embed(input_ids)  # (N, H), (2, H) when padded
         rope = Rope(positions)  # cos/sin once per forward, shared by the layers
         captured: dict[int, torch.Tensor] = {}
         want = set(capture_layers or ())
@@ -82,14 +97,15 @@ class Decoder(nn.Module):
                 mask = causal_mask(positions[offset : offset + n], k_r.shape[1], attn.window)
                 outs.append(attn.attend(q_r, k_r, v_r, mask))
                 offset += n
-            x = layer.post_attention(x, torch.cat(outs) if len(outs) > 1 else outs[0])
+            attn_out = torch.cat(outs) if len(outs) > 1 else outs[0]  # (N, Hq*D)
+            x = layer.post_attention(x, attn_out.repeat(2, 1) if pad else attn_out)
             if layer_idx in want:
-                captured[layer_idx] = x
+                captured[layer_idx] = x[:N]
         if caches is not None:
             for cache, n in zip(caches, seq_lens):
                 cache.length += n
         features = torch.cat([captured[i] for i in capture_layers], dim=-1) if capture_layers else None
-        return self.norm(x), features
+        return self.norm(x[:N]), features
 
 
 class CausalLM(nn.Module):
@@ -104,7 +120,10 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (N, H) -> (N, V)
-        out = self.lm_head(hidden)
+        if self.model.batch_invariant and hidden.shape[0] == 1:
+            out = self.lm_head(hidden.repeat(2, 1))[:1]
+        else:
+            out = self.lm_head(hidden)
         if self.spec.final_softcap:
             out = torch.tanh(out / self.spec.final_softcap) * self.spec.final_softcap
         return out

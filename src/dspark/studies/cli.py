@@ -16,7 +16,7 @@ from dspark.target.presets import DEFAULT_TARGET
 def add_reproduce(sub: argparse._SubParsersAction) -> None:
     budgets = reproduce.BUDGETS
     p = sub.add_parser(
-        "reproduce", help="run the whole study (data, training, calibration, evaluation, figures, docs/results.md)",
+        "reproduce", help="run the whole study (data, training, calibration, evaluation, figures, docs/results-study.md)",
         description=reproduce.__doc__.split("\n\n")[0] + "\n\nResumable: finished steps are skipped. Budgets: "
         + "; ".join(f"{b.name}: {b.num_prompts} prompts, {b.train_time_s:g}s per drafter, eval limit "
                     f"{b.eval_limit or 'caps'}" for b in budgets.values()),
@@ -29,7 +29,7 @@ def add_reproduce(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ablations", action="store_true", help="also the depth (Fig. 3) and block-size (Fig. 4) ablations")
     p.add_argument("--data", default=None, metavar="TOKDIR",
                    help="use this tokenized dataset (dspark data tokenize) instead of building one")
-    p.add_argument("--docs", default="docs/results.md", help="results page to write (default: %(default)s)")
+    p.add_argument("--docs", default="docs/results-study.md", help="results page to write (default: %(default)s)")
     p.add_argument("--dry-run", action="store_true", help="print the commands (with done/todo) and run nothing")
     p.set_defaults(func=_reproduce)
 
@@ -49,9 +49,10 @@ def add_demo(sub: argparse._SubParsersAction) -> None:
         "drafting and prints acceptance length, speed and whether each row produced exactly the plain text. The "
         "drafter: --drafter, else the shipped reference drafter checkpoints/smollm2-135m-dspark (see its README), "
         "else (or with --train) a small one trained here for --train-minutes on answers the target regenerates. "
-        "Decodes in float32 on the CPU by default, where every row must equal plain decoding exactly (the demo "
-        "fails otherwise); --dtype bfloat16 (the default on a GPU) is faster, but a verify block and a one-token "
-        "step round differently there, so a near-tied greedy choice can flip.",
+        "Every row must equal plain decoding exactly (the demo fails otherwise). The dtype: bfloat16 on a GPU and "
+        "on a CPU with bf16 matmul units (AVX512-BF16, AMX), where one-token steps are computed as verify blocks "
+        "compute their rows so that the texts stay exact (checked on the model at load; faster than float32 on "
+        "such a CPU), else float32. --dtype sets it.",
     )
     p.add_argument("--target", default=DEFAULT_TARGET, help="preset or HF folder (default: %(default)s)")
     add_target_options(p)

@@ -41,7 +41,7 @@ def write_long_training_page(run: str | Path, eval_dir: str | Path, budget: str,
         f"Written by `bash bench/long_training.sh {budget}`: the study's DSpark (Markov head) configuration trained "
         f"again on the same feature cache (640 sequences, see study-data.md) for {budget} s in bfloat16 (fp32 master "
         "weights), then the study's DFlash configuration for the same number of optimizer steps (the same sequences; "
-        "it ran alongside other jobs, so its seconds are not comparable), both evaluated exactly as results.md next "
+        "it ran alongside other jobs, so its seconds are not comparable), both evaluated exactly as results-study.md next "
         "to the study's DSpark drafter. The accuracies and tau of the training table are the trainer's own estimates "
         "on its last training batches: acc@k is the mean soft acceptance sum_v min(p_draft, p_target) at draft "
         "position k with teacher-forced previous tokens, tau = 1 + sum of their running products.\n\n"

@@ -11,6 +11,7 @@ for, H = hidden size, V = vocabulary, F = len(layer ids) * H.
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from dspark.errors import ModelLoadError, PromptError
 from dspark.modeling.decoder import CausalLM
 from dspark.modeling.kv_cache import KVCache
 from dspark.modeling.layers import fuse_projections
+from dspark.modeling.packed import pack_linears
 from dspark.modeling.spec import DecoderSpec, spec_from_config
 from dspark.modeling.weights import load_into, load_state_dict, read_config
 from dspark.target.convert import resolve_model_path
@@ -49,6 +51,7 @@ class TargetModel:
         self.path = path
         self.eos_token_ids = eos_token_ids
         self.max_context = max_context
+        self.batch_invariant: bool | None = None  # None: not asked for; else what make_batch_invariant found
 
     @property
     def spec(self) -> DecoderSpec:
@@ -80,6 +83,26 @@ class TargetModel:
 
     def new_cache(self, capacity: int = 256) -> KVCache:
         return self.model.new_cache(capacity, max_length=self.max_context)
+
+    def make_batch_invariant(self) -> bool:
+        """Run lone rows as two (``Decoder.batch_invariant``) and return whether a one-token step and a verify
+        block now compute every row bitwise alike on this model and backend (``batch_invariance_holds``)."""
+        self.model.model.batch_invariant = True
+        self.batch_invariant = self.batch_invariance_holds()
+        return self.batch_invariant
+
+    @torch.inference_mode()
+    def batch_invariance_holds(self, rows: int = 8, prompt_len: int = 12) -> bool:
+        """Whether ``rows`` one-token steps give bitwise the logits of one block of those ``rows`` tokens
+        after the same prompt: what greedy speculative decoding needs to emit exactly the plain text."""
+        gen = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, self.vocab_size, (prompt_len + rows,), generator=gen)  # (P + rows,)
+        prompt, tail = ids[:prompt_len], ids[prompt_len:]
+        one, block = self.new_cache(prompt_len + rows), self.new_cache(prompt_len + rows)
+        for cache in (one, block):
+            self.forward(prompt, [prompt_len], [cache], logits_for="none")
+        single = torch.cat([self.forward(tail[i : i + 1], [1], [one]).logits for i in range(rows)])  # (rows, V)
+        return torch.equal(single, self.forward(tail, [rows], [block]).logits)
 
     @torch.inference_mode()
     def forward(
@@ -191,14 +214,22 @@ def load_tokenizer(folder: Path):
 
 
 def load_target(name_or_path: str, dtype: torch.dtype = torch.float32, tokenizer: bool = True,
-                fuse: bool = False, device: torch.device | str = "cpu") -> TargetModel:
+                fuse: bool = False, device: torch.device | str = "cpu", batch_invariant: bool = False,
+                pack: bool = True) -> TargetModel:
     """Load a preset (e.g. ``smollm2-135m``) or a local HF causal-LM folder onto ``device``.
 
     ``device`` is a torch device (``dspark.drafters.options.resolve_device`` turns ``--device`` into one); the
     KV caches (``new_cache``) and the drafters loaded for this target follow it.
 
-    ``fuse``: q/k/v and gate/up as one matmul each (decoding only; the target's state_dict then loses its
-    checkpoint names, so not for code that copies target weights by name, like the draft-LM initialiser).
+    ``fuse``: the decoding layout: q/k/v and gate/up as one matmul each and, on the CPU, every weight prepacked
+    for oneDNN (``dspark.modeling.packed``); the target's state_dict then loses its checkpoint names, so not for
+    code that copies target weights by name, like the draft-LM initialiser. ``pack=False`` keeps plain
+    ``nn.Linear``s (``torch.compile`` cannot lower the packed ops; ``--compile`` loads unpacked).
+
+    ``batch_invariant`` (decoding): in bfloat16 on the CPU, compute a one-token step as a verify block computes
+    its rows (``TargetModel.make_batch_invariant``), so greedy speculative decoding emits exactly plain
+    decoding's text; a warning where this backend still rounds them differently. Ignored elsewhere: float32
+    differs by ~1e-5 between the two shapes (a greedy flip needs a tie that close), GPUs need other kernels.
     """
     folder = resolve_model_path(name_or_path)
     cfg = read_config(folder)
@@ -206,7 +237,21 @@ def load_target(name_or_path: str, dtype: torch.dtype = torch.float32, tokenizer
     model = build_model(spec, load_state_dict(folder), f"target {name_or_path}", dtype, device)
     if fuse:
         fuse_projections(model.model.layers)
+        if pack:  # CPU: weights reordered once for oneDNN (modeling/packed.py); elsewhere a no-op
+            pack_linears(model)
     tok = load_tokenizer(folder) if tokenizer else None
     if tok is not None and len(tok) > spec.vocab_size:
         raise ModelLoadError(f"tokenizer has {len(tok)} tokens but the model's vocabulary is {spec.vocab_size}")
-    return TargetModel(model, tok, name_or_path, folder, _eos_ids(folder, cfg, tok), spec.max_position_embeddings)
+    target = TargetModel(model, tok, name_or_path, folder, _eos_ids(folder, cfg, tok), spec.max_position_embeddings)
+    if batch_invariant and dtype == torch.bfloat16 and target.device.type == "cpu" and not target.make_batch_invariant():
+        print("[dspark] warning: on this CPU a bfloat16 one-token step and a verify block round differently even "
+              "with lone rows run as two, so greedy speculative text can leave plain decoding's at a near-tie "
+              "(still the bf16 target's distribution); --dtype float32 avoids it", file=sys.stderr)
+    return target
+
+
+def cpu_has_bf16_matmul() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX tiles): there bf16 decoding beats
+    float32 (docs/performance.md) and ``make_batch_invariant`` is what makes it exact."""
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, name, lambda: False)() for name in probes)

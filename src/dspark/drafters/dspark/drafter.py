@@ -35,6 +35,7 @@ from dspark.drafters.options import DraftingOptions
 from dspark.errors import IncompatibleModelsError
 from dspark.modeling.kv_cache import KVCache
 from dspark.modeling.layers import Rope
+from dspark.modeling.packed import pack_all_linears
 from dspark.sampling.processing import logits_to_probs, sample_from_probs
 
 
@@ -166,10 +167,13 @@ def load_dspark_drafter(path: str | Path, target, block_size: int | None = None,
     """Load a DSpark or DFlash checkpoint (DeepSpec layout) as a drafter for ``target``.
 
     ``block_size`` None = the checkpoint's; smaller values propose fewer tokens per step
-    (the trained block still runs in full). ``head_top_m``: see ``DSparkDrafter``.
+    (the trained block still runs in full). ``head_top_m``: see ``DSparkDrafter``. A drafter for decoding: on
+    the CPU its linear layers are prepacked (``pack_all_linears``), so it is not for training.
     """
     model = DSparkModel.from_checkpoint(Path(path), target)
-    return DSparkDrafter(model.to(device=target.device, dtype=target.dtype), block_size, head_top_m, draft_vocab)
+    drafter = DSparkDrafter(model.to(device=target.device, dtype=target.dtype), block_size, head_top_m, draft_vocab)
+    pack_all_linears(drafter.model)  # CPU: weights reordered once for oneDNN (dspark.modeling.packed)
+    return drafter
 
 
 def load_with_options(path: Path, target, options: DraftingOptions) -> DSparkDrafter:
