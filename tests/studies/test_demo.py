@@ -67,3 +67,17 @@ def test_demo_takes_the_shipped_reference_drafter_by_default(demo_setup, capsys,
     assert f"{dtype}; DSpark head over the top 64 tokens" in out
     table = [line for line in out.splitlines() if line.startswith("| ") and "decoding" not in line]
     assert len(table) == 4 and all(line.rstrip().endswith("| yes |") for line in table), out
+
+
+def test_the_demo_falls_back_to_float32_where_bf16_cannot_be_made_exact(demo_setup, capsys, monkeypatch):
+    import dspark.target.model as target_model
+
+    target_dir, ckpt, root = demo_setup
+    monkeypatch.setattr(target_model, "cpu_has_bf16_matmul", lambda: True)
+    monkeypatch.setattr(target_model.TargetModel, "batch_invariance_holds", lambda self, *a, **k: False)
+    assert main(["demo", "--target", str(target_dir), "--drafter", str(ckpt), "--work-dir", str(root / "w4"),
+                 "--prompts-per-set", "1", "--max-new-tokens", "4"]) == 0
+    captured = capsys.readouterr()
+    assert "bfloat16 is not batch-invariant on this CPU; decoding in float32 instead" in captured.out
+    assert "float32; DSpark head over" in captured.out
+    assert "warning: on this CPU a bfloat16 one-token step" in captured.err  # load_target said why

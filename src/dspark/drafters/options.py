@@ -156,7 +156,7 @@ def load_target_from_args(args: argparse.Namespace, tokenizer: bool = True):
     from dspark.target.model import load_target
 
     device, dtype = resolve_target_args(args)
-    # decoding only: q/k/v and gate/up as one matmul each, one-token steps computed as verify blocks compute
+    # the decoding layout (fused, prepacked), one-token steps computed as verify blocks compute their rows
     compile_ = getattr(args, "compile", False)
     target = load_target(args.target, dtype=torch_dtype(dtype), tokenizer=tokenizer, device=device,
                          fuse=True, batch_invariant=True, pack=not compile_)

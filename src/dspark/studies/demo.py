@@ -117,9 +117,14 @@ def run_demo(args: argparse.Namespace) -> int:
     from dspark.target.model import cpu_has_bf16_matmul
 
     t_start = time.perf_counter()
-    if args.dtype is None:  # bf16 where it is fast and can be made exact, else float32
-        args.dtype = "bfloat16" if resolve_device(args.device) == "cpu" and cpu_has_bf16_matmul() else None
+    auto_bf16 = args.dtype is None and resolve_device(args.device) == "cpu" and cpu_has_bf16_matmul()
+    if auto_bf16:  # bf16 where it is fast and can be made exact, else float32
+        args.dtype = "bfloat16"
     target = load_target_from_args(args)
+    if auto_bf16 and not target.batch_invariant:
+        print("[demo] bfloat16 is not batch-invariant on this CPU; decoding in float32 instead")
+        args.dtype = "float32"
+        target = load_target_from_args(args)
     strict = args.dtype == "float32" or bool(target.batch_invariant)  # every row must equal plain decoding
     print(f"[demo] target {args.target}: {target.num_layers} layers, vocab {target.vocab_size} ({target.path})")
     work = Path(args.work_dir) if args.work_dir else dspark_home() / "demo"
