@@ -47,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="the static row with plain nn.Linear weights (the decoding layout before prepacking)")
     p.add_argument("--doc", type=Path, default=Path("docs/data-throughput.md"))
     args = p.parse_args(argv)
+    bad = [d for d in args.engine_dtypes.split(",") if d not in ("float32", "bfloat16")]
+    if bad:
+        p.error(f"--engine-dtypes: {', '.join(bad)} is not float32 or bfloat16")
     torch.set_num_threads(args.threads)
     targets: dict[tuple[str, bool], object] = {}
 

@@ -181,25 +181,11 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
                     "documentation and docstrings, optional OpenAI `evals` data) with no network access. Prompts "
                     "that match, contain or lie inside a first turn of any evaluation set are dropped. "
                     "Needs `pip install 'dspark[data]'` for math prompts.")
-    prompts.add_argument("--out", type=Path, required=True, metavar="FILE", help="output JSONL file")
-    prompts.add_argument("--num", type=int, required=True, metavar="N", help="number of prompts to write")
-    prompts.add_argument("--mix", default=DEFAULT_MIX_SPEC,
-                         help="domain proportions, normalised to sum 1 (default: %(default)s)")
-    prompts.add_argument("--seed", type=int, default=0, metavar="S",
-                         help="the same seed reproduces the file (default: %(default)s)")
-    prompts.add_argument("--eval-dir", type=Path, default=None, metavar="DIR",
-                         help="folder of evaluation {\"turns\": [...]} JSONL files to stay disjoint from "
-                              "(default: $DSPARK_EVAL_DIR, else the eight sets shipped with dspark)")
-    prompts.add_argument("--max-eval-overlap", type=_overlap, default=0.5,
-                         help="drop prompts sharing more than this share of their word 8-grams (numbers "
-                              "masked) with the evaluation sets; 'off' disables (default: %(default)s)")
+    _add_set_options(prompts, "prompts", "drop prompts sharing")
     prompts.add_argument("--source-weights", default=None,
                          help="override source weights within a domain, e.g. gsm_symbolic=0,stdlib=2 "
                               "(sources: gsm_symbolic, rg_math, codeio, stdlib, chatterbot, python_docs, "
                               "pydoc_topics, stdlib_docs, openai_evals; 0 disables one)")
-    prompts.add_argument("--python-doc-dir", type=Path, default=None, metavar="DIR",
-                         help="reST sources of the Python docs (default: /usr/share/doc/python3.X/html/"
-                              "_sources from Debian's python3.X-doc, skipped when absent)")
     prompts.add_argument("--evals-wheel", type=Path, default=None, metavar="PATH",
                          help="an evals-*.whl (or its registry/data folder) to use OpenAI evals chat data "
                               "(default: $DSPARK_EVALS_WHEEL or an installed `evals`; skipped when absent)")
@@ -268,26 +254,13 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
         "  dspark data label --out data/labelled.jsonl --num 20000\n"
         "  dspark data tokenize --in data/regenerated.jsonl data/labelled.jsonl --out data/tok\n"
         "(or `cat` the two JSONL files into one: records are self-describing).")
-    label.add_argument("--out", type=Path, required=True, metavar="FILE", help="output JSONL file (written atomically)")
-    label.add_argument("--num", type=int, required=True, metavar="N", help="number of records to write")
-    label.add_argument("--mix", default=DEFAULT_MIX_SPEC,
-                       help="domain proportions, normalised to sum 1 (default: %(default)s)")
+    _add_set_options(label, "records", "drop items whose prompt or answer shares")
     label.add_argument("--weights", default=None, metavar="SRC=W,...",
                        help="source weights within a domain, 0 disables one (sources and defaults: "
                             + ", ".join(f"{k}={v:g}" for k, v in LABEL_WEIGHTS.items()) + ")")
-    label.add_argument("--seed", type=int, default=0, metavar="S",
-                       help="the same seed reproduces the file (default: %(default)s)")
     label.add_argument("--max-answer-chars", type=int, default=DEFAULT_MAX_ANSWER_CHARS, metavar="C",
                        help="longest answer: documentation is cut at a paragraph boundary, longer code and "
                             "solutions are skipped (default: %(default)s)")
-    label.add_argument("--eval-dir", type=Path, default=None, metavar="DIR",
-                       help="evaluation {\"turns\": [...]} JSONL folder to stay disjoint from (default: "
-                            "$DSPARK_EVAL_DIR, else the sets shipped with dspark)")
-    label.add_argument("--max-eval-overlap", type=_overlap, default=0.5,
-                       help="drop items whose prompt or answer shares more than this share of its word 8-grams "
-                            "with the evaluation sets; 'off' disables (default: %(default)s)")
-    label.add_argument("--python-doc-dir", type=Path, default=None, metavar="DIR",
-                       help="reST sources of the Python docs (default: Debian's python3.X-doc, skipped when absent)")
     label.add_argument("--allow-short", action="store_true",
                        help="write fewer records when a domain runs out instead of failing")
     label.set_defaults(func=run_label)
@@ -349,3 +322,23 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     vocab.add_argument("--out", type=Path, required=True, metavar="FILE", help="output JSON file")
     vocab.set_defaults(func=run_vocab)
     return data
+
+
+def _add_set_options(p: argparse.ArgumentParser, what: str, overlap_drops: str) -> None:
+    """The options `data prompts` and `data label` share: output, size, domain mix, seed, disjointness from the
+    evaluation sets, the Python docs folder."""
+    p.add_argument("--out", type=Path, required=True, metavar="FILE", help="output JSONL file (written atomically)")
+    p.add_argument("--num", type=int, required=True, metavar="N", help=f"number of {what} to write")
+    p.add_argument("--mix", default=DEFAULT_MIX_SPEC,
+                   help="domain proportions, normalised to sum 1 (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, metavar="S",
+                   help="the same seed reproduces the file (default: %(default)s)")
+    p.add_argument("--eval-dir", type=Path, default=None, metavar="DIR",
+                   help="folder of evaluation {\"turns\": [...]} JSONL files to stay disjoint from "
+                        "(default: $DSPARK_EVAL_DIR, else the eight sets shipped with dspark)")
+    p.add_argument("--max-eval-overlap", type=_overlap, default=0.5,
+                   help=f"{overlap_drops} more than this share of their word 8-grams (numbers masked) with the "
+                        "evaluation sets; 'off' disables (default: %(default)s)")
+    p.add_argument("--python-doc-dir", type=Path, default=None, metavar="DIR",
+                   help="reST sources of the Python docs (default: /usr/share/doc/python3.X/html/_sources from "
+                        "Debian's python3.X-doc, skipped when absent)")

@@ -61,7 +61,7 @@ from dspark.data.prompt_sources import (
     stdlib_docstrings,
     stdlib_functions,
 )
-from dspark.data.prompts import domain_counts, draw_by_weight, parse_mix, record_id, write_jsonl
+from dspark.data.prompts import PromptSetSummary, domain_counts, draw_by_weight, parse_mix, record_id, write_jsonl
 from dspark.errors import DSparkError
 
 DEFAULT_MAX_ANSWER_CHARS = 6000
@@ -270,13 +270,8 @@ def draw_pairs(sources: list[LabelSource], count: int, rng: random.Random, seed:
 
 
 @dataclass
-class LabelSetSummary:
-    path: Path
-    requested: dict[str, int]
-    written: dict[str, int]
-    by_source: dict[str, int]
-    answer_chars: int
-    dropped: dict[str, int]
+class LabelSetSummary(PromptSetSummary):
+    answer_chars: int = 0  # characters of the answers the target will label
 
     def __str__(self) -> str:
         return (f"wrote {sum(self.written.values())} teacher-forced records ({self.answer_chars} answer characters) "

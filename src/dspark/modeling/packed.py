@@ -5,8 +5,8 @@ into its blocked layout on every call: for a decode step of 1-8 rows that reorde
 costs as much as the product. ``pack_linears`` reorders every weight of the
 decoder layers and the LM head once, at load (``load_target(fuse=True)`` on the
 CPU, the decoding layout), and ``PackedLinear`` multiplies against the packed copy.
-On SmolLM2-135M (one thread, bf16) a one-token step gets 1.24x faster and an 8-token verify block 1.48x,
-so verifying a block costs about what one token does; a DSpark/DFlash drafter loaded for decoding gets the same
+On SmolLM2-135M (one thread, bf16) an 8-token verify block gets about 1.5x faster, so verifying a block costs
+about what one token does; a DSpark/DFlash drafter loaded for decoding gets the same
 (``pack_all_linears``, keeping its parameters): docs/performance-packing.md (``bench/packed_linears.py``).
 
 The products are the same oneDNN kernels' (bf16: bitwise equal to ``nn.Linear`` for two rows
@@ -54,32 +54,29 @@ def can_pack(weight: torch.Tensor) -> bool:
     return True
 
 
+def _pack(module: nn.Module, keep_weight) -> int:
+    """Replace every ``nn.Linear`` below ``module`` by a ``PackedLinear``; ``keep_weight(name)`` says which keep
+    their parameters. Returns how many were packed: 0, changing nothing, where this build or device cannot."""
+    linears = [(parent, name, child) for parent in module.modules() for name, child in parent.named_children()
+               if isinstance(child, nn.Linear)]
+    if not linears or not can_pack(linears[0][2].weight):
+        return 0
+    for parent, name, child in linears:
+        setattr(parent, name, PackedLinear(child, keep_weight=keep_weight(name)))
+    return len(linears)
+
+
 def pack_linears(model: nn.Module) -> bool:
-    """Replace the decoder layers' projections and the LM head of a ``CausalLM`` by ``PackedLinear``s
-    (decoding only: the layers' plain weights are dropped). Returns False, changing nothing, where this
-    build or device cannot pack."""
-    head = model.lm_head
-    if isinstance(head, PackedLinear):
+    """Pack the decoder layers' projections and the LM head of a ``CausalLM`` (decoding only: the layers' plain
+    weights are dropped, the LM head's kept). Returns False, changing nothing, where this build or device
+    cannot pack."""
+    if isinstance(model.lm_head, PackedLinear):
         return True
-    if not can_pack(head.weight):
-        return False
-    for layer in model.model.layers:
-        for parent in (layer.self_attn, layer.mlp):
-            for name, child in list(parent.named_children()):
-                if isinstance(child, nn.Linear):
-                    setattr(parent, name, PackedLinear(child))
-    model.lm_head = PackedLinear(head, keep_weight=True)
-    return True
+    return _pack(model, keep_weight=lambda name: name == "lm_head") > 0
 
 
 def pack_all_linears(module: nn.Module) -> int:
     """Every ``nn.Linear`` below ``module`` as a ``PackedLinear`` that keeps its weight (a drafter reads its
     weights' dtype and device and slices some of them), for decoding only. Returns how many were packed: 0,
     changing nothing, where this build or device cannot pack."""
-    linears = [(parent, name, child) for parent in module.modules() for name, child in parent.named_children()
-               if isinstance(child, nn.Linear)]
-    if not linears or not can_pack(linears[0][2].weight):
-        return 0
-    for parent, name, child in linears:
-        setattr(parent, name, PackedLinear(child, keep_weight=True))
-    return len(linears)
+    return _pack(module, keep_weight=lambda name: True)

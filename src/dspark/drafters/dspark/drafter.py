@@ -163,16 +163,19 @@ class DSparkDrafter:
 
 
 def load_dspark_drafter(path: str | Path, target, block_size: int | None = None,
-                        head_top_m: int | None = None, draft_vocab: list[int] | None = None) -> DSparkDrafter:
+                        head_top_m: int | None = None, draft_vocab: list[int] | None = None,
+                        pack: bool = True) -> DSparkDrafter:
     """Load a DSpark or DFlash checkpoint (DeepSpec layout) as a drafter for ``target``.
 
     ``block_size`` None = the checkpoint's; smaller values propose fewer tokens per step
     (the trained block still runs in full). ``head_top_m``: see ``DSparkDrafter``. A drafter for decoding: on
-    the CPU its linear layers are prepacked (``pack_all_linears``), so it is not for training.
+    the CPU its linear layers are prepacked (``pack_all_linears``; ``pack=False`` keeps them plain), so it is not
+    for training.
     """
     model = DSparkModel.from_checkpoint(Path(path), target)
     drafter = DSparkDrafter(model.to(device=target.device, dtype=target.dtype), block_size, head_top_m, draft_vocab)
-    pack_all_linears(drafter.model)  # CPU: weights reordered once for oneDNN (dspark.modeling.packed)
+    if pack:  # CPU: weights reordered once for oneDNN (dspark.modeling.packed)
+        pack_all_linears(drafter.model)
     return drafter
 
 
