@@ -18,15 +18,15 @@ def fmt(x: float | None, digits: int = 2) -> str:
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]], bold_best: bool = False) -> list[str]:
     """A Markdown table, first column left-aligned and the others right-aligned.
 
-    With ``bold_best`` the highest number of each column after the first is bold.
+    With ``bold_best`` the highest number of each column after the first is bold (a cell's leading number counts).
     """
     rows = [list(r) for r in rows]
     if bold_best and len(rows) > 1:
         for col in range(1, len(header)):
             nums = []
             for r in rows:
-                try:
-                    nums.append(float(r[col]))
+                try:  # a cell may carry an interval after its value: "1.62 [1.55, 1.70]"
+                    nums.append(float(r[col].split(" [", 1)[0]))
                 except ValueError:
                     nums.append(None)
             best = max((n for n in nums if n is not None), default=None)

@@ -85,8 +85,12 @@ class _Crash(Exception):
 
 
 class _CrashingData:
+    """A dataset whose item ``crash_at`` kills the build; its lengths are known up front, as a tokenized
+    folder's are (the build reads them to state the cache's size)."""
+
     def __init__(self, data, crash_at):
         self.data, self.crash_at = data, crash_at
+        self.lengths = [len(d["input_ids"]) for d in data]
 
     def __len__(self):
         return len(self.data)
@@ -310,8 +314,11 @@ def test_torchrun_two_cpu_processes_build_the_one_process_cache(tmp_path):
     folder = save_hf_folder(tmp_path / "target", tiny_config())
     data = token_data([14, 16, 9, 21, 11])
     tok = write_token_folder(tmp_path / "tok", data)
-    whole = build_feature_cache(load_target(str(folder), tokenizer=False), data, LAYERS, tmp_path / "whole",
-                                progress=False)
+    from dspark.data.features import labelling_dtype
+    from dspark.drafters.options import torch_dtype
+
+    as_the_command = load_target(str(folder), tokenizer=False, fuse=True, dtype=torch_dtype(labelling_dtype("cpu")))
+    whole = build_feature_cache(as_the_command, data, LAYERS, tmp_path / "whole", progress=False)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
@@ -346,3 +353,65 @@ def test_several_caches_train_as_one_dataset_in_list_order(tmp_path):
     with pytest.raises(Exception, match="no finished feature cache"):
         train(TrainConfig(out=str(tmp_path / "bad"), cache_dir=[str(first), str(tmp_path / "nope")],
                           **{**common, "feature_source": "auto"}), target=target)
+
+
+# --------------------------------------------------------------------------- slices and disk space
+
+
+def _features_cli(tmp_path, *extra):
+    import argparse
+
+    from dspark.data.cli import add_cli
+    from tests.tiny import save_hf_folder, tiny_config
+
+    folder = tmp_path / "target"
+    if not folder.exists():
+        save_hf_folder(folder, tiny_config())
+    parser = argparse.ArgumentParser()
+    add_cli(parser.add_subparsers())
+    args = parser.parse_args(["data", "features", "--target", str(folder), "--layer-ids", "0,2,3", *extra])
+    return args.func(args)
+
+
+def test_slices_cache_their_sequences_and_a_resume_with_another_slice_is_refused(tmp_path):
+    data = token_data([14, 16, 9, 12])
+    tok = write_token_folder(tmp_path / "tok", data)
+    out = tmp_path / "slice"
+    assert _features_cli(tmp_path, "--data", str(tok), "--out", str(out), "--skip", "1", "--limit", "2") == 0
+    ds = FeatureCacheDataset(out)
+    assert len(ds) == 2
+    assert torch.equal(ds[0].input_ids, data[1]["input_ids"]) and torch.equal(ds[1].input_ids, data[2]["input_ids"])
+    (out / "manifest.json").unlink()  # as if killed before the end: a resume must be the same slice
+    with pytest.raises(FeatureCacheError, match="source_start"):
+        _features_cli(tmp_path, "--data", str(tok), "--out", str(out), "--skip", "2", "--limit", "2")
+    from dspark.errors import DSparkError
+
+    with pytest.raises(DSparkError, match="--skip 4 leaves none"):
+        _features_cli(tmp_path, "--data", str(tok), "--out", str(tmp_path / "x"), "--skip", "4")
+
+
+def test_planned_size_is_the_written_size(tmp_path):
+    from dspark.data.features import planned_cache_bytes
+
+    target, data = tiny_target(), token_data([9, 30, 5, 21])
+    out = build_feature_cache(target, data, LAYERS, tmp_path / "cache", max_length=20, progress=False)
+    tokens, size = planned_cache_bytes(data, len(LAYERS), 32, max_length=20)
+    assert tokens == 9 + 20 + 5 + 20
+    written = sum(f.stat().st_size for f in out.iterdir() if f.name.startswith("shard-") or f.name == "samples.idx")
+    assert size == written
+
+
+def test_a_cache_the_disk_cannot_hold_is_refused_before_labelling(tmp_path, monkeypatch, capsys):
+    import shutil
+    from collections import namedtuple
+
+    target, data = tiny_target(), token_data([9, 30, 5, 21])
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**6, 10**6 - 1000, 1000))
+    with pytest.raises(FeatureCacheError, match=r"needs .* GiB more but the disk has .* GiB free"):
+        build_feature_cache(target, data, LAYERS, tmp_path / "cache", progress=True)
+    assert "4 sequences, 65 tokens" in capsys.readouterr().err  # the size is stated before anything is written
+    assert not list((tmp_path / "cache").glob("shard-*"))
+    monkeypatch.undo()  # with room, the same folder builds
+    build_feature_cache(target, data, LAYERS, tmp_path / "cache", progress=False)
+    assert len(FeatureCacheDataset(tmp_path / "cache")) == 4

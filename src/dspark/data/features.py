@@ -41,6 +41,8 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+import time
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -70,6 +72,15 @@ _BUILD_INFO = "build_info.json"
 def bytes_per_token(hidden_size: int, num_layers: int, attention_mask: bool = True, logsumexp: bool = False) -> int:
     """Disk bytes per cached token: 6 + 2H(n+1) (5 + ... without the attention mask; + 4 with the log-sum-exp)."""
     return (6 if attention_mask else 5) + 2 * hidden_size * (num_layers + 1) + (4 if logsumexp else 0)
+
+
+def labelling_dtype(device: str) -> str:
+    """The dtype `dspark data features` runs the target in by default: bfloat16 on a GPU and on CPUs with bf16
+    matmul units (about 3x float32 there, docs/data-throughput.md; the cache stores bf16 either way and bf16 is
+    what decoding runs), else float32."""
+    from dspark.target.model import cpu_has_bf16_matmul
+
+    return "bfloat16" if device.startswith("cuda") or (device == "cpu" and cpu_has_bf16_matmul()) else "float32"
 
 
 # ---------------------------------------------------------------- online
@@ -130,8 +141,13 @@ def build_feature_cache(
     progress: bool = True,
     rank: int = 0,
     world_size: int = 1,
+    source_start: int = 0,
 ) -> Path:
     """Run the target over every sample and write the cache; rerun the same call to resume after a kill.
+
+    ``dataset`` may be a slice of a larger tokenized set starting at item ``source_start`` (recorded, so a
+    resume with another slice is refused). Before writing, the cache's size is printed and checked against the
+    free disk space (``FeatureCacheError`` when it cannot fit); the progress bar shows target tokens per second.
 
     With ``world_size`` > 1 (every rank of an initialised ``torch.distributed`` group calls this) rank r
     labels samples r, r+W, r+2W, ... into its own part folder; rank 0 then merges the parts into one
@@ -149,13 +165,14 @@ def build_feature_cache(
         "hidden_size": target.hidden_size, "num_source_samples": len(dataset), "max_length": max_length,
         "source_jsonl_paths": [str(p) for p in (source_paths or [])], "target_logsumexp_dtype": "float32",
         "vocab_size": target.vocab_size, "num_target_layers": target.num_layers,
-        "target_fingerprint": target_fingerprint(target), "world_size": world_size,
+        "target_fingerprint": target_fingerprint(target), "world_size": world_size, "source_start": source_start,
     }
     if (out_dir / "manifest.json").exists():
         _check_build_info(out_dir, info, finished=True)
         return out_dir  # already complete
     if rank == 0:
         _open_build_folder(out_dir, info)
+        _check_disk(out_dir, dataset, layer_ids, target.hidden_size, max_length, progress)
     _barrier(world_size)
     if rank != 0:
         _check_build_info(out_dir, info)
@@ -168,10 +185,13 @@ def build_feature_cache(
         writer = ShardWriter(folder, target.hidden_size, max_shard_bytes)
         bar = tqdm(total=len(indices), initial=writer.num_samples, desc="target features", unit="seq",
                    disable=not progress or rank != 0, dynamic_ncols=True)
+        tokens, t0 = 0, time.perf_counter()
         try:
             for i in indices[writer.num_samples:]:
-                _write_sample(target, dataset[i], i, layer_ids, max_length, writer)
+                tokens += _write_sample(target, dataset[i], i, layer_ids, max_length, writer)
                 bar.update(1)
+                bar.set_postfix_str(f"{tokens * world_size / max(time.perf_counter() - t0, 1e-9):.0f} tok/s",
+                                    refresh=False)
         finally:
             bar.close()
             writer.close()
@@ -224,14 +244,62 @@ def _open_build_folder(out_dir: Path, info: dict) -> None:
         atomic_json(out_dir / _BUILD_INFO, info)
 
 
+def sequence_lengths(dataset: TokenSequences, max_length: int | None = None) -> np.ndarray:  # (N,) int64
+    """Tokens per sequence as the cache stores them (cut at ``max_length``)."""
+    lengths = getattr(dataset, "lengths", None)  # a TokenizedDataset knows them without reading the tokens
+    inner = getattr(dataset, "dataset", None)  # a Subset of one
+    if lengths is None and getattr(inner, "lengths", None) is not None:
+        lengths = np.asarray(inner.lengths)[np.asarray(dataset.indices)]
+    parts = getattr(dataset, "datasets", None)  # a ConcatDataset of them
+    if lengths is None and parts and all(getattr(p, "lengths", None) is not None for p in parts):
+        lengths = np.concatenate([np.asarray(p.lengths) for p in parts])
+    if lengths is None or len(lengths) != len(dataset):
+        lengths = [len(dataset[i]["input_ids"]) for i in range(len(dataset))]
+    lengths = np.asarray(lengths, dtype=np.int64)
+    return lengths if max_length is None else np.minimum(lengths, max_length)
+
+
+def planned_cache_bytes(dataset: TokenSequences, num_layers: int, hidden_size: int,
+                        max_length: int | None = None) -> tuple[int, int]:
+    """(tokens, bytes) of the finished cache of ``dataset``: index records plus per-token payload."""
+    tokens = int(sequence_lengths(dataset, max_length).sum())
+    per_token = bytes_per_token(hidden_size, num_layers, logsumexp=True)
+    return tokens, tokens * per_token + len(dataset) * INDEX_RECORD.size
+
+
+def _folder_bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+
+
+def _check_disk(out_dir: Path, dataset: TokenSequences, layer_ids: list[int], hidden_size: int,
+                max_length: int | None, progress: bool) -> None:
+    """State the cache's size before writing it, and refuse a build the disk cannot hold."""
+    import shutil
+
+    tokens, total = planned_cache_bytes(dataset, len(layer_ids), hidden_size, max_length)
+    written = _folder_bytes(out_dir)
+    free = shutil.disk_usage(out_dir).free
+    gib = 2**30
+    if progress:
+        print(f"feature cache {out_dir}: {len(dataset)} sequences, {tokens:,} tokens, "
+              f"{total / gib:.1f} GiB ({bytes_per_token(hidden_size, len(layer_ids), logsumexp=True):,} B/token); "
+              f"{written / gib:.1f} GiB already written, {free / gib:.1f} GiB free", file=sys.stderr, flush=True)
+    if total - written > free:
+        raise FeatureCacheError(
+            f"{out_dir}: the feature cache needs {(total - written) / gib:.1f} GiB more but the disk has "
+            f"{free / gib:.1f} GiB free; free space, use another --out, or cache fewer sequences (--limit)"
+        )
+
+
 def _write_sample(target: TargetModel, item: dict[str, Any], sample_id: int, layer_ids: list[int],
-                  max_length: int | None, writer: ShardWriter) -> None:
+                  max_length: int | None, writer: ShardWriter) -> int:
     input_ids = _as_tensor(item["input_ids"], torch.long)[:max_length]  # (L,)
     loss_mask = _as_tensor(item["loss_mask"], torch.long)[:max_length]  # (L,)
     features, last_hidden = compute_features(target, input_ids, layer_ids)  # (L, F), (L, H)
     last_hidden = last_hidden.to(torch.bfloat16)  # as stored: the log-sum-exp must match what is read
     lse = target_logsumexp(target, last_hidden)  # (L,)
     writer.write(sample_id, input_ids, loss_mask, features, last_hidden, lse)
+    return int(input_ids.numel())
 
 
 def _write_manifest(out_dir: Path, info: dict, num_samples: int, num_shards: int) -> None:
@@ -256,7 +324,8 @@ def _check_build_info(out_dir: Path, info: dict, finished: bool = False) -> None
         return
     old = json.loads(path.read_text())
     keys = ("target_layer_ids", "hidden_size", "num_source_samples", "max_length", "target_logsumexp_dtype",
-            "vocab_size")
+            "vocab_size", "source_start")
+    old.setdefault("source_start", 0)  # builds from before slices started at the first item
     diff = [k for k in keys if old.get(k) != info[k]]
     ranks = old.get("world_size", 1)  # builds from before sharding were one process
     if not diff and not finished and ranks != info["world_size"]:  # each rank resumes its own part

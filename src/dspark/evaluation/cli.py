@@ -148,7 +148,7 @@ def _load(args: argparse.Namespace):
 def _eval(args: argparse.Namespace) -> int:
     from dspark.drafters.registry import load_drafter
     from dspark.scheduler.sts import load_sts_json
-    from dspark.evaluation.report import tau_table
+    from dspark.evaluation.report import comparison_table, tau_table
     from dspark.evaluation.runner import evaluate
     from dspark.evaluation.sweep import parse_thresholds, sweep_thresholds
     from dspark.scheduler.policies import StaticThreshold
@@ -188,6 +188,9 @@ def _eval(args: argparse.Namespace) -> int:
         batch_size=args.batch_size, temperatures=temperatures, drafter_specs=dict(named), progress=progress,
     )
     print("\n".join(tau_table(results)))
+    if results.get("comparisons"):
+        print("\n".join(["", "paired differences of tau (95 % bootstrap intervals over prompts):",
+                         *comparison_table(results)]))
     print(f"wrote {out / 'results.json'}, {out / 'results.md'}")
     return 0
 

@@ -43,10 +43,40 @@ def tau_table(results: Mapping[str, Any], key: str = "acceptance_length", digits
     rows = []
     for name, res in results["drafters"].items():
         row = [name, *(fmt(res["benchmarks"][n].get(key), digits) for n in datasets)]
-        row += [fmt(res["domains"][d].get(key), digits) for d in domains]
-        row.append(fmt(res["overall"].get(key), digits))
+        row += [_with_interval(res["domains"][d], key, digits) for d in domains]
+        row.append(_with_interval(res["overall"], key, digits))
         rows.append(row)
     return markdown_table(header, rows, bold_best=True)
+
+
+def _with_interval(summary: Mapping[str, Any], key: str, digits: int) -> str:
+    """The value, and its 95 % bootstrap interval when the results carry one (``intervals.tau_intervals``)."""
+    interval = summary.get(f"{key}_ci")
+    value = fmt(summary.get(key), digits)
+    return f"{value} [{fmt(interval[0], digits)}, {fmt(interval[1], digits)}]" if interval else value
+
+
+def comparison_table(results: Mapping[str, Any], digits: int = 2) -> list[str]:
+    """Paired differences of tau (``intervals.paired_difference``): overall and per domain, with intervals."""
+    comparisons = results.get("comparisons") or []
+    if not comparisons:
+        return []
+    domains = list(results["domains"])
+    header = ["Drafter - baseline", *(d.capitalize() for d in domains), "Overall", "Verdict"]
+    rows = []
+    for c in comparisons:
+        cells = []
+        for d in [*domains, None]:
+            part = c["overall"] if d is None else c["domains"].get(d)
+            if not part or part.get("difference") is None:
+                cells.append("-")
+                continue
+            lo_hi = part.get("interval")
+            cells.append(f"{part['difference']:+.{digits}f}" + (
+                f" [{lo_hi[0]:+.{digits}f}, {lo_hi[1]:+.{digits}f}]" if lo_hi else ""))
+        verdict = "better" if c["better"] else "worse" if c["worse"] else "not distinguishable"
+        rows.append([f"{c['drafter']} - {c['baseline']}", *cells, verdict])
+    return markdown_table(header, rows)
 
 
 def confidence_rows(results: Mapping[str, Any]) -> list[list[str]]:
@@ -78,8 +108,12 @@ def results_markdown(results: Mapping[str, Any], figures: Sequence[str | Path] =
         *tau_table(results),
         "",
         "Per benchmark, tau pools every step of every sample. Domain columns are macro averages (unweighted mean "
-        "over the domain's benchmarks); Overall is the unweighted mean over the domains.",
+        "over the domain's benchmarks); Overall is the unweighted mean over the domains. Brackets: 95 % bootstrap "
+        "intervals over prompts.",
         "",
+        *(["## Paired differences of tau (same prompts, paired bootstrap 95 % intervals)", "",
+            *comparison_table(results), "", "A drafter is better than its baseline only when the overall interval "
+            "lies above 0.", ""] if results.get("comparisons") else []),
         "## Verify rate (committed tokens per verified position)",
         "",
         *tau_table(results, "verify_rate", 3),

@@ -43,6 +43,7 @@ from dspark.data.eval_sets import DEFAULT_SEED, DOMAINS, EvalDataset, EvalSample
 from dspark.drafters.base import Drafter
 from dspark.errors import DSparkError
 from dspark.evaluation.calibration import position_bins
+from dspark.evaluation.intervals import paired_difference, tau_intervals
 from dspark.evaluation.metrics import confidence_report
 from dspark.evaluation.report import clean_json, write_results
 from dspark.generation.stats import AcceptanceStats
@@ -61,6 +62,10 @@ DEFINITIONS = {
     "mean over benchmarks that reached the position)",
     "overall": "unweighted mean over the evaluated domains of the domain macro averages (each domain weighs the "
     "same); benchmark_mean is the unweighted mean over all evaluated benchmarks",
+    "acceptance_length_ci": "95 % interval of tau from 2,000 bootstrap replicates that redraw each benchmark's "
+    "prompts with replacement (domains and overall: the same macro means of each replicate)",
+    "comparisons": "tau(drafter) - tau(baseline) on the prompts both evaluated, with a paired bootstrap 95 % "
+    "interval (both drafters resampled with the same prompt draws); 'better' when the overall interval is above 0",
     "confidence": "survival_k = prod_{j<=k} sigmoid(logit_j / T_j) against label 'drafts 0..k accepted', "
     "ECE over 20 equal-width bins, AUROC, Brier; 'raw' uses T = 1, 'sts' the given STS temperatures",
 }
@@ -336,9 +341,10 @@ def aggregate(
     temperatures = temperatures or {}
     wanted = {(d.name, s.idx, s.row) for d in datasets for s in d.samples}
     by_key: dict[tuple[str, str], list] = {}
-    for r in records:
-        if (r["dataset"], int(r["idx"]), int(r["row"])) in wanted:
-            by_key.setdefault((r["drafter"], r["dataset"]), []).append(r)
+    records_in = [r for r in records if (r["dataset"], int(r["idx"]), int(r["row"])) in wanted
+                  and r["drafter"] in drafter_names]
+    for r in records_in:
+        by_key.setdefault((r["drafter"], r["dataset"]), []).append(r)
     domain_order = list(DOMAINS) + sorted({d.domain for d in datasets} - set(DOMAINS))
     domains = {dom: [d.name for d in datasets if d.domain == dom] for dom in domain_order}
     domains = {dom: names for dom, names in domains.items() if names}
@@ -368,6 +374,17 @@ def aggregate(
                 "benchmark_mean": _mean([b["acceptance_length"] for b in filled]),
             },
         }
+    results = {"domains": domains, "drafters": drafters}
+    intervals = tau_intervals(records_in, results)
+    for name, ci in intervals.items():
+        res = drafters[name]
+        res["overall"]["acceptance_length_ci"] = ci["overall"]
+        for dom, interval in ci["domains"].items():
+            res["domains"][dom]["acceptance_length_ci"] = interval
+        for bench_name, interval in ci["benchmarks"].items():
+            res["benchmarks"][bench_name]["acceptance_length_ci"] = interval
+    names = list(drafter_names)
+    comparisons = [paired_difference(records_in, results, b, a) for i, a in enumerate(names) for b in names[i + 1:]]
     return clean_json({
         "definitions": DEFINITIONS,
         "settings": asdict(settings),
@@ -375,6 +392,7 @@ def aggregate(
                      for d in datasets],
         "domains": domains,
         "drafters": drafters,
+        "comparisons": comparisons,
     })
 
 
