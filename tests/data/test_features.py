@@ -415,3 +415,60 @@ def test_a_cache_the_disk_cannot_hold_is_refused_before_labelling(tmp_path, monk
     monkeypatch.undo()  # with room, the same folder builds
     build_feature_cache(target, data, LAYERS, tmp_path / "cache", progress=False)
     assert len(FeatureCacheDataset(tmp_path / "cache")) == 4
+
+
+# --------------------------------------------------------------------------- other tokenizers, layer subsets
+
+
+def test_data_from_another_tokenizer_is_refused_naming_the_folder(tmp_path):
+    from dspark.data.tokenized import check_tokenizer, tokenizer_fingerprint
+    from dspark.errors import BadFileError
+    from tests.tiny import save_word_tokenizer
+
+    folder = save_hf_folder_with_tokenizer(tmp_path / "target", vocab_size=96)
+    target = load_target(str(folder))
+    tok = write_token_folder(tmp_path / "tok", token_data([14, 16]))
+    manifest = json.loads((tok / "manifest.json").read_text())
+    (tmp_path / "other").mkdir()
+    other = save_word_tokenizer(tmp_path / "other", 96)  # the same size, another split of the probe text
+    from dspark.target.model import load_tokenizer
+
+    (tok / "manifest.json").write_text(json.dumps(
+        {**manifest, "tokenizer": "other", "tokenizer_fingerprint": tokenizer_fingerprint(load_tokenizer(other))}))
+    check_tokenizer([tok], target)  # a word-level tokenizer of the same words splits the probe alike
+    (tok / "manifest.json").write_text(json.dumps({**manifest, "tokenizer": "other",
+                                                   "tokenizer_fingerprint": "0123456789abcdef"}))
+    with pytest.raises(BadFileError, match=r"tok/manifest.json was made by tokenizer 'other'"):
+        check_tokenizer([tok], target)
+    (tok / "manifest.json").write_text(json.dumps({**manifest, "vocab_size": 200}))
+    with pytest.raises(BadFileError, match="tokenizer of 200 tokens, more than the target's vocabulary of 96"):
+        check_tokenizer([tok], target)
+    (tok / "manifest.json").write_text(json.dumps({**manifest, "tokenizer_fingerprint": "0123456789abcdef"}))
+    with pytest.raises(BadFileError, match="not the target's"):  # the features command checks it too
+        _features_cli(tmp_path, "--data", str(tok), "--out", str(tmp_path / "cache"))
+
+
+def save_hf_folder_with_tokenizer(path, vocab_size):
+    from tests.tiny import save_hf_folder, save_word_tokenizer, tiny_config
+
+    save_hf_folder(path, tiny_config(vocab_size=vocab_size))
+    save_word_tokenizer(path, vocab_size)
+    return path
+
+
+def test_a_cache_serves_a_drafter_that_reads_a_subset_of_its_layers(tmp_path):
+    target, data = tiny_target(), token_data([9, 13])
+    out = build_feature_cache(target, data, LAYERS, tmp_path / "cache", progress=False)
+    ds = FeatureCacheDataset(out)
+    full = ds[1].target_features  # (L, 3H)
+    ds.select_layers([3, 0])
+    part = ds[1].target_features  # (L, 2H), in the asked order
+    H = 32
+    assert torch.equal(part, torch.cat([full[:, 2 * H:], full[:, :H]], dim=1))
+    ref, _ = compute_features(target, data[1]["input_ids"], [3, 0])
+    torch.testing.assert_close(part.float(), ref.to(torch.bfloat16).float())
+    check_cache_fits(ds.manifest, [0, 3], 32)  # a subset fits
+    with pytest.raises(FeatureCacheError, match=r"reads \[0, 1\]"):
+        check_cache_fits(ds.manifest, [0, 1], 32)
+    with pytest.raises(FeatureCacheError, match=r"not \[1\]"):
+        ds.select_layers([0, 1])

@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from dspark.training.config import TrainConfigError
 import torch
 
 from dspark.errors import BadFileError, DSparkError
@@ -163,9 +165,13 @@ def test_a_truncated_or_mismatched_training_state_is_a_one_line_error(tmp_path):
         train(run_cfg(out), resume=True, target=target, dataset=data)
     assert str(state_file) in str(info.value) and "\n" not in str(info.value)
     state_file.write_bytes(good)
-    with pytest.raises(BadFileError, match="do not fit the model"):  # another drafter config
-        train(run_cfg(out, model={"block_size": 4, "num_anchors": 8, "markov_rank": 8}), resume=True,
-              target=target, dataset=data)
+    other = run_cfg(out, model={"block_size": 4, "num_anchors": 8, "markov_rank": 8})  # another drafter config
+    with pytest.raises(TrainConfigError, match="'markov_rank': 16} there") as info:  # read off train_config.json
+        train(other, resume=True, target=target, dataset=data)
+    assert "\n" not in str(info.value)
+    (out / "step_2" / "train_config.json").unlink()  # without it the weights' shapes still tell
+    with pytest.raises(BadFileError, match="do not fit the model"):
+        train(other, resume=True, target=target, dataset=data)
     state = torch.load(state_file, weights_only=True)
     del state["optimizer"]
     torch.save(state, state_file)

@@ -319,3 +319,40 @@ def test_threads_flag_wins_over_the_configs_num_threads(tmp_path, monkeypatch):
         torch.set_num_threads(before)
     assert seen == [1, 2]
     assert json.loads((tmp_path / "a" / "step_1" / "train_config.json").read_text())["num_threads"] == 1
+
+
+def test_a_resume_with_other_settings_is_refused_naming_them(tmp_path, capsys):
+    from dspark.training.config import TrainConfigError
+
+    target, data = tiny_target(), random_data(6)
+    out = tmp_path / "run"
+    train(tiny_cfg(out, max_steps=2), target=target, dataset=data)
+    with pytest.raises(TrainConfigError, match=r"lr: 0.0006 there, 0.001 now.*--init-from"):
+        train(tiny_cfg(out, max_steps=2, lr=1e-3), resume=True, target=target, dataset=data)
+    with pytest.raises(TrainConfigError, match=r"seed: 42 there, 7 now"):
+        train(tiny_cfg(out, max_steps=2, seed=7), resume=True, target=target, dataset=data)
+    with pytest.raises(TrainConfigError, match=r"model:"):
+        train(tiny_cfg(out, max_steps=2, model={**TINY_DSPARK, "num_anchors": 3}), resume=True, target=target,
+              dataset=data)
+    # how long a sitting lasts, threads and checkpointing may change: the same run goes on
+    assert train(tiny_cfg(out, max_steps=2, session_time_s=100.0, checkpoint_every=1, num_threads=2), resume=True,
+                 target=target, dataset=data) == out / "step_2"
+    assert "another run length" not in capsys.readouterr().out
+    # a longer run goes on, and says that the schedule follows the new length
+    assert train(tiny_cfg(out, max_steps=3), resume=True, target=target, dataset=data) == out / "step_3"
+    assert "another run length (max_steps 2 -> 3)" in capsys.readouterr().out
+
+
+def test_session_time_stops_with_a_checkpoint_and_the_resume_keeps_the_step_schedule(tmp_path):
+    target, data = tiny_target(), random_data(6)
+    full = tmp_path / "full"
+    train(tiny_cfg(full, max_steps=4), target=target, dataset=data)
+    cut = tmp_path / "cut"
+    first = train(tiny_cfg(cut, max_steps=4, session_time_s=0.0), target=target, dataset=data)
+    assert first == cut / "step_1"  # stopped after the first step, with a checkpoint
+    assert json.loads((cut / "train_summary.json").read_text())["stopped_by"] == "session_time"
+    assert train(tiny_cfg(cut, max_steps=4), resume=True, target=target, dataset=data) == cut / "step_4"
+    a, b = read_metrics(full), read_metrics(cut)
+    for step in (2, 3, 4):  # the schedule is the step count's, as if never stopped
+        assert b[step]["lr"] == pytest.approx(a[step]["lr"])
+        assert b[step]["loss"] == pytest.approx(a[step]["loss"], rel=1e-5, abs=1e-7)

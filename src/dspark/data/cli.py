@@ -119,7 +119,7 @@ def run_features(args: argparse.Namespace) -> int:
     import torch
 
     from dspark.data.features import build_feature_cache, bytes_per_token, join_ranks, labelling_dtype, leave_ranks
-    from dspark.data.tokenized import load_tokenized
+    from dspark.data.tokenized import check_tokenizer, load_tokenized
     from dspark.drafters.options import resolve_device, resolve_target_args, torch_dtype
     from dspark.target.model import load_target
 
@@ -140,6 +140,7 @@ def run_features(args: argparse.Namespace) -> int:
     else:
         layer_ids = target.default_layer_ids()
     max_length = args.max_length or (cfg["max_length"] if cfg else None)
+    check_tokenizer(list(data), target)
     dataset = load_tokenized(list(data))
     if args.limit is not None and args.limit < 1:
         raise DSparkError("--limit must be >= 1")

@@ -356,7 +356,17 @@ class FeatureCacheDataset:
         self.has_logsumexp = self.manifest.get("target_logsumexp_dtype") == "float32"
         self.index = np.fromfile(self.cache_dir / "samples.idx", dtype=INDEX_DTYPE)
         self._shards: dict[int, np.memmap] = {}
+        self._layer_pick: list[int] | None = None  # positions of the read layers among the stored ones
         check_index(self.cache_dir, self.manifest, self.index, self.has_logsumexp)
+
+    def select_layers(self, layer_ids: list[int]) -> None:
+        """Read only these of the stored target layers (in this order): one cache of 5 layers serves a drafter
+        that fuses 3 of them, e.g. an Eagle3 that exports to vLLM. ``check_cache_fits`` refuses ids not stored."""
+        stored = self.target_layer_ids
+        missing = [i for i in layer_ids if i not in stored]
+        if missing:
+            raise FeatureCacheError(f"{self.cache_dir} stores target layers {stored}, not {missing}")
+        self._layer_pick = None if list(layer_ids) == stored else [stored.index(i) for i in layer_ids]
 
     def __len__(self) -> int:
         return len(self.index)
@@ -389,10 +399,13 @@ class FeatureCacheDataset:
         if self.has_logsumexp:  # float32[L] right after the last hidden states
             start = int(rec["target_last_hidden_states"]) + L * H * 2
             lse = torch.from_numpy(mm[start : start + 4 * L].view(np.float32).copy())[:keep]  # (L,)
+        features = bf16("target_hidden_states", F)[:keep]  # (L, F)
+        if self._layer_pick is not None:  # (L, n, H) -> the chosen layers (L, n'H)
+            features = features.view(-1, len(self.target_layer_ids), H)[:, self._layer_pick].reshape(keep, -1)
         return TrainSample(
             input_ids=torch.from_numpy(view("input_ids", np.int32, L).astype(np.int64))[:keep],  # (L,)
             loss_mask=torch.from_numpy(view("loss_mask", np.uint8, L).astype(np.int64))[:keep],  # (L,)
-            target_features=bf16("target_hidden_states", F)[:keep].to(self.dtype),  # (L, F)
+            target_features=features.to(self.dtype),  # (L, F)
             target_last_hidden=bf16("target_last_hidden_states", H)[:keep].to(self.dtype),  # (L, H)
             target_logsumexp=lse,
         )
@@ -464,10 +477,11 @@ def check_cache_fits(manifest: dict, layer_ids: list[int], hidden_size: int, tar
                      cache_dir: str | Path = "the feature cache") -> None:
     """The cache must hold the layers and width the drafter reads, and (when it says) come from ``target``."""
     where = f"{cache_dir}/manifest.json" if cache_dir != "the feature cache" else cache_dir
-    if [int(i) for i in manifest["target_layer_ids"]] != [int(i) for i in layer_ids]:
+    stored = [int(i) for i in manifest["target_layer_ids"]]
+    if not set(int(i) for i in layer_ids) <= set(stored):  # a subset is read by FeatureCacheDataset.select_layers
         raise FeatureCacheError(
             f"{where} holds target layers {manifest['target_layer_ids']} but the drafter reads "
-            f"{list(layer_ids)}; rebuild the cache or set model.target_layer_ids to match"
+            f"{list(layer_ids)}; rebuild the cache or set model.target_layer_ids to (a subset of) them"
         )
     if int(manifest["hidden_size"]) != hidden_size:
         raise FeatureCacheError(

@@ -100,7 +100,8 @@ def write_tokenized(jsonl_in: str | Path | list[str | Path], tokenizer, out_path
         "num_loss_tokens_regenerated": int(np.count_nonzero(loss_mask == 1)),
         "num_loss_tokens_labelled": int(np.count_nonzero(loss_mask == TARGET_LABEL)), "max_length": max_length,
         "min_loss_tokens": min_loss_tokens, "tokenizer": str(getattr(tokenizer, "name_or_path", "")),
-        "vocab_size": len(tokenizer), "source_jsonl_paths": [str(p) for p in paths], "skipped": dict(skipped),
+        "vocab_size": len(tokenizer), "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
+        "source_jsonl_paths": [str(p) for p in paths], "skipped": dict(skipped),
     }
     out_path = Path(out_path)
     tmp = out_path.with_name(out_path.name + ".tmp")
@@ -114,6 +115,45 @@ def write_tokenized(jsonl_in: str | Path | list[str | Path], tokenizer, out_path
     tmp.rename(out_path)
     return TokenizeSummary(out_path, manifest["num_samples"], manifest["num_tokens"],
                            manifest["num_loss_tokens"], dict(skipped), manifest["num_loss_tokens_labelled"])
+
+
+_PROBE = "Tokenizer check: def f(x):\n    return x ** 2  # 12,345 ü é 中文 🙂 <|im_start|>"
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A short hash of how ``tokenizer`` splits a probe text (code, digits, accents, CJK, emoji, a chat marker)
+    and of its size and special ids: data tokenized by another tokenizer gives another value."""
+    import hashlib
+
+    probe = [len(tokenizer), list(tokenizer.encode(_PROBE, add_special_tokens=False)),
+             getattr(tokenizer, "bos_token_id", None), getattr(tokenizer, "eos_token_id", None)]
+    return hashlib.sha256(json.dumps(probe).encode()).hexdigest()[:16]
+
+
+def check_tokenizer(paths: list[str | Path], target) -> None:
+    """Refuse tokenized data made by another tokenizer than ``target``'s (a one-line ``BadFileError`` naming the
+    folder); folders from before the fingerprint was recorded are checked by vocabulary size only."""
+    tokenizer = None
+    for path in map(Path, paths):
+        manifest = _read_manifest(path)
+        size = manifest.get("vocab_size")
+        if isinstance(size, int) and size > target.vocab_size:
+            raise _bad(path / "manifest.json", f"was made by a tokenizer of {size} tokens, more than the target's "
+                       f"vocabulary of {target.vocab_size} (another model's data?)")
+        recorded = manifest.get("tokenizer_fingerprint")
+        if not recorded:
+            continue
+        if tokenizer is None:
+            from dspark.target.model import load_tokenizer
+
+            tokenizer = target.tokenizer or (load_tokenizer(target.path) if target.path else None)
+            if tokenizer is None:
+                return
+        mine = tokenizer_fingerprint(tokenizer)
+        if mine != recorded:
+            raise _bad(path / "manifest.json", f"was made by tokenizer {manifest.get('tokenizer')!r} (fingerprint "
+                       f"{recorded}), not the target's (fingerprint {mine}): tokenize it again with --target "
+                       f"{target.name}")
 
 
 def _bad(path: Path, what: str) -> BadFileError:

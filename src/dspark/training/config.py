@@ -35,6 +35,9 @@ class TrainConfigError(DSparkError):
     """A training config or override the user wrote is invalid."""
 
 
+RUN_LENGTH_FIELDS = ("max_steps", "epochs", "time_budget_s")  # a resume may extend a run (with a notice)
+
+
 @dataclass
 class TrainConfig:
     drafter: str = "dspark"  # a DrafterKind name: dspark | dflash | eagle3 | draft-lm
@@ -77,6 +80,9 @@ class TrainConfig:
     # over max(step fraction, time fraction), so warmup and cosine decay fit the budget
     time_budget_s: float | None = None  # stop (with a checkpoint) at the first step boundary after this many
     # seconds of training, counted across resumes: for equal-compute comparisons
+    # stop (with a checkpoint) at the first step boundary after this many seconds of *this* session, leaving the
+    # schedule (steps, or time_budget_s) alone: a long run split over sittings, each resumed with --resume
+    session_time_s: float | None = None
     num_threads: int | None = None  # torch intra-op threads per process
     find_unused_parameters: bool = False  # DDP option, for models with parameters a loss may not touch
     # under torchrun: "ddp" replicates the drafter on every rank; "fsdp" shards it (FSDP2), and the frozen target's
@@ -149,6 +155,19 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def resume_mismatch(self, saved: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+        """Fields of a checkpoint's ``train_config.json`` that a resume may not change: {field: (saved, now)}.
+
+        A resume continues the same run, so what fixes the model, the data, their order and the schedule must
+        match. How long to go on (``max_steps``, ``epochs``, ``time_budget_s``: the trainer says so when they
+        change, since the LR schedule then follows the new length) and how the run is run and logged (threads,
+        device, checkpointing, logging, the saved dtype, ``out``) may change. A new stage on other data or
+        settings starts from the weights with ``init_from`` instead."""
+        free = {*RUN_LENGTH_FIELDS, "out", "session_time_s", "num_threads", "device", "checkpoint_every", "keep_checkpoints",
+                "log_every", "save_dtype", "init_from", "find_unused_parameters"}
+        now = self.to_dict()
+        return {k: (saved[k], now[k]) for k in now if k not in free and k in saved and saved[k] != now[k]}
 
 
 # ---------------------------------------------------------------- loading

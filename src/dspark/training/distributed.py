@@ -79,11 +79,14 @@ def resolve_device(name: str, local_rank: int) -> torch.device:
     return torch.device(name)
 
 
-def out_of_time(cfg: TrainConfig, d: DistInfo, seconds: float) -> bool:
-    """All ranks agree (rank 0's clock decides), so every rank stops at the same step."""
-    if cfg.time_budget_s is None:
+def out_of_time(cfg: TrainConfig, d: DistInfo, seconds: float, session_seconds: float = 0.0) -> bool:
+    """Past ``time_budget_s`` (training seconds across resumes) or ``session_time_s`` (this session's); all ranks
+    agree (rank 0's clock decides), so every rank stops at the same step."""
+    if cfg.time_budget_s is None and cfg.session_time_s is None:
         return False
-    flag = torch.tensor([1.0 if seconds >= cfg.time_budget_s else 0.0])
+    over = (cfg.time_budget_s is not None and seconds >= cfg.time_budget_s) or (
+        cfg.session_time_s is not None and session_seconds >= cfg.session_time_s)
+    flag = torch.tensor([1.0 if over else 0.0])
     if d.distributed:
         torch.distributed.broadcast(flag, src=0)
     return bool(flag.item())

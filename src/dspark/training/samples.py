@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from dspark.data import features
-from dspark.data.tokenized import load_tokenized
+from dspark.data.tokenized import check_tokenizer, load_tokenized
 from dspark.drafters.sample import TrainSample, target_logsumexp
 from dspark.errors import DSparkError
 from dspark.training.config import TrainConfig, TrainConfigError
@@ -38,10 +38,13 @@ class SampleSource:
         return self._get(index)
 
 
-def load_token_dataset(paths: list[str]):
-    """The tokenized training data (``dspark data tokenize`` output)."""
+def load_token_dataset(paths: list[str], target=None):
+    """The tokenized training data (``dspark data tokenize`` output); with ``target``, checked to come from its
+    tokenizer."""
     if not paths:
         raise TrainConfigError("training config: data is empty; give the tokenized dataset path(s)")
+    if target is not None:
+        check_tokenizer(paths, target)
     return load_tokenized(paths)
 
 
@@ -77,7 +80,7 @@ def prepare_feature_cache(cfg: TrainConfig, target, layer_ids: list[int], is_mai
         return str(folder)
     if not layer_ids:  # the draft LM reads only the final hidden state: online is as cheap
         return None
-    data = load_token_dataset(cfg.data)
+    data = load_token_dataset(cfg.data, target)
     n = len(data) if cfg.max_samples is None else min(len(data), cfg.max_samples)
     lengths = np.concatenate([np.asarray(p.lengths) for p in getattr(data, "datasets", [data])])[:n]
     need = int(np.minimum(lengths, cfg.max_length).sum()) * features.bytes_per_token(
@@ -129,11 +132,13 @@ def build_sample_source(cfg: TrainConfig, target, layer_ids: list[int], dtype: t
                 # a drafter that reads only the final hidden state can use any cache of this target
                 ids = layer_ids or cache.manifest["target_layer_ids"]
                 features.check_cache_fits(cache.manifest, ids, target.hidden_size, target, cache.cache_dir)
+                if layer_ids:
+                    cache.select_layers(list(layer_ids))
         size = len(dataset)
         read = dataset.__getitem__ if layer_ids else (lambda i: _without_features(dataset[i]))
         get = read if not logsumexp else (lambda i: with_logsumexp(target, read(i)))
     else:
-        dataset = dataset if dataset is not None else load_token_dataset(cfg.data)
+        dataset = dataset if dataset is not None else load_token_dataset(cfg.data, target)
         size = len(dataset)
 
         def get(i: int) -> TrainSample:
@@ -198,7 +203,7 @@ def draft_vocab_ids(cfg: TrainConfig, target, cache_dir: str | None = None) -> l
     if cfg.draft_vocab_size >= target.vocab_size:
         return None
     folder = None if cfg.data else (cache_dir or cfg.cache_dir)  # count the tokenized data when there is some
-    data = open_feature_caches(folder, torch.float32, None) if folder else load_token_dataset(cfg.data)
+    data = open_feature_caches(folder, torch.float32, None) if folder else load_token_dataset(cfg.data, target)
     n = len(data) if cfg.max_samples is None else min(len(data), cfg.max_samples)
     counts = count_sequences((_tokens(data[i]) for i in range(n)), target.vocab_size, str(folder or cfg.data))
     ids, coverage = build_draft_vocab(counts, cfg.draft_vocab_size, sorted(target.eos_token_ids))

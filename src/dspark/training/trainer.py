@@ -53,7 +53,7 @@ from dspark.training.checkpoints import (
     set_rng_state,
     write_checkpoint,
 )
-from dspark.training.config import TrainConfig, TrainConfigError, build_model_config
+from dspark.training.config import RUN_LENGTH_FIELDS, TrainConfig, TrainConfigError, build_model_config
 from dspark.training.distributed import (
     DistInfo,
     all_mean,
@@ -359,6 +359,22 @@ class Trainer:
     # -- state
 
     def _restore(self, folder: Path) -> None:
+        saved_path = folder / "train_config.json"
+        if saved_path.is_file():
+            saved = {k: v for k, v in json.loads(saved_path.read_text()).items() if not k.startswith("_")}
+            diff = self.cfg.resume_mismatch(saved)
+            if diff:
+                shown = "; ".join(f"{k}: {a!r} there, {b!r} now" for k, (a, b) in diff.items())
+                raise TrainConfigError(
+                    f"--resume: {saved_path} was trained with other settings ({shown}); resume with the same "
+                    "config, or start a new stage from its weights with --init-from into a new --out"
+                )
+            longer = {k: (saved[k], getattr(self.cfg, k)) for k in RUN_LENGTH_FIELDS
+                      if k in saved and saved[k] != getattr(self.cfg, k)}
+            if longer and self.d.is_main:
+                shown = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in longer.items())
+                print(f"[dspark] --resume with another run length ({shown}): the LR schedule follows the new "
+                      "length from here", flush=True)
         state = load_training_state(folder, self.d.rank, self.masters.master)
         with torch.no_grad():
             for m, saved in zip(self.masters.master, state["master_weights"], strict=True):
@@ -456,11 +472,12 @@ class Trainer:
                                     "tokens_seen": self.tokens_seen}
                     log.log(self.step, last_scalars)
                 seconds = self.prior_seconds + time.perf_counter() - start
-                timed_out = out_of_time(cfg, d, seconds)
+                timed_out = out_of_time(cfg, d, seconds, time.perf_counter() - start)
                 if self.step % cfg.checkpoint_every == 0 or self.step == self.total_steps or timed_out:
                     last_ckpt = self._save(seconds)
                 if timed_out:
-                    stopped_by = "time_budget"
+                    stopped_by = "time_budget" if cfg.time_budget_s is not None and seconds >= cfg.time_budget_s \
+                        else "session_time"
                     break
             if last_ckpt is None:  # already at total_steps with no checkpoint to show for it
                 last_ckpt = self._save(self.prior_seconds)
