@@ -84,7 +84,7 @@ def add_target_options(p: argparse.ArgumentParser) -> None:
     add_dtype_option(p)
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the target's decoder layers (inductor; the first steps compile for "
-                   "tens of seconds; docs/performance-variants.md measures what it gains)")
+                   "tens of seconds; docs/reports/performance.md measures what it gains)")
 
 
 def add_drafter_options(p: argparse.ArgumentParser) -> None:
