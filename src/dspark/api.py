@@ -156,6 +156,7 @@ class SpeculativeDecoder:
     def stream(self, prompt: str | Sequence[int], max_new_tokens: int = 128, temperature: float = 0.0,
                top_k: int = 0, top_p: float = 1.0, seed: int = 0) -> TextStream:
         """Like ``generate`` for one raw prompt, but text pieces arrive as the tokens are committed."""
+        self._need_tokenizer()
         return TextStream(self, self._prompt_ids(prompt), self._sampling(max_new_tokens, temperature, top_k, top_p,
                                                                          seed))
 
