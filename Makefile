@@ -21,9 +21,9 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -x --durations=15
 
-# the edit-test loop: everything but the real-model and subprocess tests (tests/conftest.py marks them)
+# the edit-test loop: everything but the real-model, subprocess, statistical and heavy tests (tests/conftest.py)
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -x -m "not real_model and not subprocess" --durations=10
+	$(BIN)/python -m pytest -q -x -m "not real_model and not subprocess and not statistical and not heavy" --durations=10
 
 results: $(STAMP)
 	$(BIN)/dspark reproduce

@@ -81,3 +81,17 @@ def test_real_model_and_subprocess_tests_are_marked(tmp_path):
     assert "1 passed" in marked.stdout and "test_starts_a_process" in marked.stdout, marked.stdout
     marked = _pytest(tmp_path, three, "-m", "real_model", ci=False)
     assert "1 passed" in marked.stdout and "test_loads_the_real_model" in marked.stdout, marked.stdout
+
+
+def test_every_heavy_entry_names_a_test_that_exists():
+    """A renamed test must not fall out of HEAVY silently (it would then slow `make test-fast` down)."""
+    import ast
+
+    from tests.conftest import HEAVY
+
+    for node in HEAVY:
+        path, _, name = node.partition("::")
+        assert (ROOT / path).is_file(), node
+        if name:
+            tree = ast.parse((ROOT / path).read_text())
+            assert name in {f.name for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)}, node
