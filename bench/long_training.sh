@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # What a longer training budget does: DSpark (Markov head) trained for BUDGET seconds in bf16 on one thread on the
 # study's feature cache (6.6x the main study's tokens at the default), then DFlash for the same number of optimizer
-# steps (same sequences seen), evaluated exactly as docs/results-study.md (all 8 sets, 2 samples each, 128 tokens,
+# steps (same sequences seen), evaluated exactly as docs/reports/results-study.md (all 8 sets, 2 samples each, 128 tokens,
 # temperature 1.0) next to the study's own DSpark drafter.
-# Writes docs/long-training.md. Steps already done (train_summary.json, results.json) are skipped.
+# Writes docs/reports/long-training.md. Steps already done (train_summary.json, results.json) are skipped.
 #   bash bench/long_training.sh [BUDGET_SECONDS]     (needs runs/study from `dspark reproduce --budget cpu`)
 set -euo pipefail
 BUDGET=${1:-2700}

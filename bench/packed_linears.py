@@ -1,6 +1,6 @@
 """Time prepacked CPU matmuls (dspark.modeling.packed) against plain nn.Linear, and check batch invariance.
 
-    python bench/packed_linears.py [--threads 1] [--out docs/performance-packing.md]
+    python bench/packed_linears.py [--threads 1] [--out docs/reports/performance-packing.md]
 
 For the default target (SmolLM2-135M) in float32 and bfloat16, in the decoding layout (fused q/k/v and gate/up):
 the median wall time of a one-token step and an 8-token verify block after a prompt in the cache, and of the
@@ -92,7 +92,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=20, help="timed calls per cell (default: %(default)s)")
-    p.add_argument("--out", default="docs/performance-packing.md")
+    p.add_argument("--out", default="docs/reports/performance-packing.md")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     rows, drafts = [], []

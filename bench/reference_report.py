@@ -128,7 +128,7 @@ def main() -> int:
         "evaluations of bench/reference_eval.sh and bench/data_mix.sh (all 8 sets, 2 prompts each, 128 new "
         "tokens, batch 1, every "
         "draft verified, float32, one thread). The shipped drafter is stage 1's `dspark`. The older study of all "
-        "four drafters at minutes of training each (`dspark reproduce`) is [results-study.md](results-study.md).\n",
+        "four drafters at minutes of training each (`dspark reproduce`) is [reports/results-study.md](reports/results-study.md).\n",
         "## Training (one thread each, bf16 with fp32 master weights)\n",
         "Stage 1: dspark and dflash side by side on the same data (the first 560 prompts' answers) from scratch. "
         "Stage 2 (when run): dspark2 and dspark-label side by side, both from dspark's last checkpoint "

@@ -1,4 +1,4 @@
-"""Single-request decoding speed (docs/performance.md): a thin wrapper around `dspark bench speed`.
+"""Single-request decoding speed (docs/reports/performance.md): a thin wrapper around `dspark bench speed`.
 
     .venv/bin/python bench/speed.py --draft-lm runs/smollm2-draft-lm/step_latest \
         --drafter dspark-markov=runs/smollm2-dspark-markov/step_latest \
@@ -7,8 +7,8 @@
         --block-sizes 7,4,2
     .venv/bin/python bench/speed.py --sets gsm8k --per-set 1 --max-new-tokens 16   # a smoke run
 
-Any `dspark bench speed` flag works; results go to docs/performance/ and docs/performance.md unless
---out-dir / --doc say otherwise.
+Any `dspark bench speed` flag works; results go to docs/performance/ and its section of
+docs/reports/performance.md unless --out-dir / --doc say otherwise.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ LAYERS: list[set[str]] = [
     {"generation", "scheduler"},
     {"data", "training", "evaluation", "serving", "simulate"},
     {"bench", "studies"},
-    {"cli", "__main__"},
+    {"cli", "cli_reference", "api", "__main__"},
 ]
 RANK = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}
 

@@ -76,6 +76,15 @@ def test_relative_links_resolve(path: Path) -> None:
     assert broken == [], "\n".join(broken)
 
 
+def test_the_guide_and_the_reports_are_checked() -> None:
+    """docs/guide/ and docs/reports/ (and every other folder under docs/) are among the checked pages."""
+    checked = {p.relative_to(ROOT).as_posix() for p in markdown_files()}
+    for folder in ("docs/guide", "docs/reports"):
+        pages = {p.relative_to(ROOT).as_posix() for p in (ROOT / folder).glob("*.md")}
+        assert pages and pages <= checked, folder
+    assert {"docs/guide/python-api.md", "docs/guide/cli.md", "docs/reports/performance.md"} <= checked
+
+
 def test_checker_finds_a_broken_link(tmp_path: Path) -> None:
     """Negative control: the same check fails on a file with broken links and passes the good ones."""
     (tmp_path / "real.png").write_bytes(b"")

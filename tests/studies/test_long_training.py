@@ -1,4 +1,4 @@
-"""docs/long-training.md from fake training summaries and a fake eval folder (bench/long_training.sh's last step)."""
+"""docs/reports/long-training.md from fake training summaries and a fake eval folder (bench/long_training.sh's last step)."""
 
 from __future__ import annotations
 

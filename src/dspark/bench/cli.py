@@ -22,7 +22,7 @@ from dspark.serving.cli import add_model_args, set_threads
 from dspark.target.presets import DEFAULT_TARGET
 
 DEFAULT_SPEED_OUT = "docs/performance"
-DEFAULT_SPEED_DOC = "docs/performance.md"
+DEFAULT_SPEED_DOC = "docs/reports/performance.md"  # one section per --out-dir
 
 
 # ---------------------------------------------------------------- flag values
@@ -180,7 +180,7 @@ def add_speed(bench: argparse._SubParsersAction) -> None:
         "lookup, --draft-lm, each --drafter at --block-sizes), interleaved per prompt after a warm-up. Reports "
         "tokens/s, ratios to hf-generate and ours-plain, acceptance length, draft/verify ms per step, the ideal "
         "speedup tau*t_AR/(t_draft+t_verify), efficiency, greedy equality with hf-generate and peak RSS. Writes "
-        "OUT/speed.json, OUT/speed.md and docs/performance.md.",
+        "OUT/speed.json, OUT/speed.md and the run's section of docs/reports/performance.md (one section per --out-dir).",
         epilog="example: dspark bench speed --draft-lm runs/smollm2-draft-lm/step_latest "
         "--drafter dspark-markov=runs/smollm2-dspark-markov/step_latest "
         "--drafter dflash=runs/smollm2-dflash/step_latest --drafter eagle3=runs/smollm2-eagle3/step_latest "
@@ -238,7 +238,10 @@ def add_speed(bench: argparse._SubParsersAction) -> None:
                    help="torch CPU threads (default: the global --threads, else torch's choice)")
     p.add_argument("--out-dir", default=DEFAULT_SPEED_OUT, help="(default: %(default)s)")
     p.add_argument("--doc", default=DEFAULT_SPEED_DOC,
-                   help="the Markdown page to write ('' for none) (default: %(default)s)")
+                   help="the Markdown page whose section for --out-dir this run (re)writes, the other sections kept "
+                   "('' for none) (default: %(default)s)")
+    p.add_argument("--doc-title", default=None, metavar="TITLE",
+                   help="heading of the run's section of --doc (default: the section's present heading, else --out-dir)")
     p.add_argument("--from-json", default=None, metavar="FILE",
                    help="re-render speed.md and --doc from an earlier speed.json; measure nothing")
     p.set_defaults(func=_bench_speed)
@@ -271,7 +274,7 @@ def _bench_speed(args: argparse.Namespace) -> int:
             hybrid_static=args.hybrid_static, jsonl=[list(item) for item in args.jsonl],
         )
         result = run_speed_bench(cfg, _command_line("speed"), lambda msg: print(msg, file=sys.stderr, flush=True))
-    paths = write_outputs(result, args.out_dir, args.doc or None)
+    paths = write_outputs(result, args.out_dir, args.doc or None, args.doc_title)
     print(Path(paths[1]).read_text())
     for path in paths:
         print(f"wrote {path}")

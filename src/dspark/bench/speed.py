@@ -39,8 +39,9 @@ Per row and temperature:
                   call (what the call itself allocated: KV caches, activations). All models stay loaded in
                   the one process, so peak RSS includes every loaded model.
 
-Outputs: ``OUT/speed.json`` (settings, machine, per-call records, rows), ``OUT/speed.md`` and
-``docs/performance.md`` (``--doc``), both rendered from the JSON (``--from-json`` re-renders).
+Outputs: ``OUT/speed.json`` (settings, machine, per-call records, rows), ``OUT/speed.md`` and the run's section
+of docs/reports/performance.md (``--doc``; one section per ``--out-dir``), both rendered from the JSON
+(``--from-json`` re-renders).
 """
 
 from __future__ import annotations

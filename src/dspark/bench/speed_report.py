@@ -1,4 +1,6 @@
-"""`dspark bench speed`: the Markdown report (``speed.md``, ``docs/performance.md``), rendered from the JSON."""
+"""`dspark bench speed`: the Markdown report, rendered from the JSON: ``OUT/speed.md`` (the whole report of one
+run) and one section of the shared page ``--doc`` (docs/reports/performance.md: one section per setting, each
+keyed by its ``--out-dir``, so a rerun replaces its own section and leaves the others as they are)."""
 
 from __future__ import annotations
 
@@ -96,12 +98,16 @@ BF16_MISMATCH = (
     "exact greedy equality for every drafter).")
 
 
-def render_markdown(result: dict[str, Any], title: str = "Decoding speed", raw_json: str | None = None) -> str:
+def render_markdown(result: dict[str, Any], title: str = "Decoding speed", raw_json: str | None = None,
+                    level: int = 1, definitions: bool = True) -> str:
+    """The report of one run under a heading of ``level`` (its parts one level below); ``definitions``: with the
+    column definitions (a page of several runs states them once, ``definitions_markdown``)."""
     cfg, mach, rows = result["config"], result["machine"], result["rows"]
+    h1, h2 = "#" * level, "#" * (level + 1)
     reference = HF_PLAIN if any(r["method"] == HF_PLAIN for r in rows) else OURS_PLAIN
     sets = ", ".join(DISPLAY_NAMES.get(s, s) for s in cfg["sets"])
     lines = [
-        f"# {title}", "",
+        f"{h1} {title}", "",
         f"Reproduce: `{result['command']}`" if result.get("command") else "", "",
         f"Target `{cfg['target']}`; {result['num_prompts']} prompt(s) ({cfg['per_set']} from each of {sets}; first "
         f"turn through the chat template), batch size 1, up to {cfg['max_new_tokens']} new tokens, "
@@ -117,7 +123,7 @@ def render_markdown(result: dict[str, Any], title: str = "Decoding speed", raw_j
     ]
     for temperature in cfg["temperatures"]:
         label = "Greedy (temperature 0)" if temperature == 0 else f"Temperature {temperature:g} (seeded sampling)"
-        lines += [f"## {label}", ""] + _table(rows, temperature, reference) + [""]
+        lines += [f"{h2} {label}", ""] + _table(rows, temperature, reference) + [""]
         lines += _per_set_table(result, temperature, reference)
         bad = [r for r in rows if r["temperature"] == temperature and r.get("mismatches")]
         for r in bad:
@@ -130,9 +136,10 @@ def render_markdown(result: dict[str, Any], title: str = "Decoding speed", raw_j
     notes = [f"- {r['method']}: {r['note']}" for r in rows if r["note"] and r["temperature"] == cfg["temperatures"][0]]
     weights = [f"{r['method']}{'@k' + str(r['block_size']) if r['block_size'] else ''} {r['drafter_weights_mib']:.0f}"
                for r in rows if r["drafter_weights_mib"] and r["temperature"] == cfg["temperatures"][0]]
-    lines += ["## Definitions", "", FORMULAS.format(memory=result.get("memory_method", "")).rstrip(), ""]
+    if definitions:
+        lines += [f"{h2} Definitions", "", definitions_markdown(result), ""]
     if notes or weights:
-        lines += ["## Settings", ""] + notes + ([f"- drafter MiB: {', '.join(weights)}"] if weights else []) + [""]
+        lines += [f"{h2} Settings", ""] + notes + ([f"- drafter MiB: {', '.join(weights)}"] if weights else []) + [""]
     if cfg.get("drafters"):
         lines += ["Drafter checkpoints: " + ", ".join(f"`{n}` = `{p}`" for n, p in cfg["drafters"]), ""]
     if cfg.get("draft_lm"):
@@ -140,16 +147,63 @@ def render_markdown(result: dict[str, Any], title: str = "Decoding speed", raw_j
     return "\n".join(lines) + "\n"
 
 
-def write_outputs(result: dict[str, Any], out_dir: str | Path, doc: str | None) -> list[Path]:
+def definitions_markdown(result: dict[str, Any]) -> str:
+    return FORMULAS.format(memory=result.get("memory_method", "")).rstrip()
+
+
+PAGE_TITLE = "Performance: single-request decoding speed"
+DEFINITIONS_KEY = "definitions"
+
+
+def _markers(key: str) -> tuple[str, str]:
+    return f"<!-- dspark bench speed: {key} -->", f"<!-- /dspark bench speed: {key} -->"
+
+
+def section_body(page: str, key: str) -> str | None:
+    """The text between the markers of section ``key`` of a page (None when the page has no such section)."""
+    start, end = _markers(key)
+    i = page.find(start)
+    j = page.find(end, i + len(start)) if i >= 0 else -1
+    return page[i + len(start):j].strip() if j >= 0 else None
+
+
+def replace_section(page: str, key: str, body: str) -> str:
+    """``page`` with section ``key`` replaced by ``body``; a new section goes before the definitions (or last)."""
+    start, end = _markers(key)
+    block = f"{start}\n{body.strip()}\n{end}"
+    if section_body(page, key) is not None:
+        i = page.find(start)
+        j = page.find(end, i + len(start))
+        return page[:i] + block + page[j + len(end):]
+    before = page.find(_markers(DEFINITIONS_KEY)[0])
+    if before >= 0 and key != DEFINITIONS_KEY:
+        return page[:before] + block + "\n\n" + page[before:]
+    return page.rstrip() + "\n\n" + block + "\n"
+
+
+def write_section(doc: str | Path, result: dict[str, Any], key: str, raw_json: str, title: str | None = None) -> Path:
+    """Write this run into its section ``key`` of the page ``doc`` (created with its title when missing), under
+    ``title`` (default: the section's present heading, else ``key``), and the shared definitions."""
+    doc_path = Path(doc)
+    page = doc_path.read_text(encoding="utf-8") if doc_path.exists() else f"# {PAGE_TITLE}\n"
+    old = section_body(page, key)
+    if title is None:
+        title = old.splitlines()[0].lstrip("#").strip() if old else key
+    page = replace_section(page, key, render_markdown(result, title, raw_json, level=2, definitions=False))
+    page = replace_section(page, DEFINITIONS_KEY, "## Definitions\n\n" + definitions_markdown(result))
+    doc_path.parent.mkdir(parents=True, exist_ok=True)
+    doc_path.write_text(page, encoding="utf-8")
+    return doc_path
+
+
+def write_outputs(result: dict[str, Any], out_dir: str | Path, doc: str | None,
+                  doc_title: str | None = None) -> list[Path]:
+    """OUT/speed.json, OUT/speed.md and, with ``doc``, the run's section of that page (keyed by ``out_dir``)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / "speed.json", out / "speed.md"]
     paths[0].write_text(json.dumps(result, indent=2) + "\n")
-    text = render_markdown(result)
-    paths[1].write_text(text)
+    paths[1].write_text(render_markdown(result))
     if doc:
-        doc_path = Path(doc)
-        doc_path.parent.mkdir(parents=True, exist_ok=True)
-        doc_path.write_text(render_markdown(result, "Performance: single-request decoding speed", str(paths[0])))
-        paths.append(doc_path)
+        paths.append(write_section(doc, result, out.as_posix(), str(paths[0]), doc_title))
     return paths

@@ -26,7 +26,7 @@ from dspark.drafters.options import DTYPE_NAMES, add_device_option, resolve_devi
 from dspark.target.presets import DEFAULT_TARGET
 
 PARTS = ("target forward", "drafter forward", "loss", "backward", "optimizer")
-DEFAULT_DOC = "docs/training-throughput.md"
+DEFAULT_DOC = "docs/reports/training-throughput.md"
 STDLIB_MODULES = ("json", "pathlib", "argparse", "collections", "itertools", "functools", "re", "csv", "heapq",
                   "bisect", "statistics", "fractions", "decimal", "textwrap", "string", "difflib", "shutil",
                   "tempfile", "glob", "fnmatch", "zipfile", "tarfile", "gzip", "hashlib", "hmac", "secrets",

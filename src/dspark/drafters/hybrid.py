@@ -18,7 +18,7 @@ occurrence of the context's last n-gram:
   i.e. when it commits at least as many tokens per unit of time; ``draft_cost``
   is the trained drafter's time per step relative to a target step, which a
   lookup does not pay (about 0.2 for DSpark on SmolLM2 on a CPU,
-  docs/performance-bf16.md). Both means start at 1, so each source is tried;
+  docs/reports/performance.md). Both means start at 1, so each source is tried;
 * otherwise the trained drafter drafts, all such requests in one batched call.
 
 Lossless: the choice is a function of the committed tokens and of this

@@ -84,7 +84,7 @@ def add_target_options(p: argparse.ArgumentParser) -> None:
     add_dtype_option(p)
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the target's decoder layers (inductor; the first steps compile for "
-                   "tens of seconds; docs/performance-variants.md measures what it gains)")
+                   "tens of seconds; docs/reports/performance.md measures what it gains)")
 
 
 def add_drafter_options(p: argparse.ArgumentParser) -> None:
@@ -150,18 +150,31 @@ def resolve_target_args(args: argparse.Namespace) -> tuple[str, str]:
     return args.device, args.dtype
 
 
-def load_target_from_args(args: argparse.Namespace, tokenizer: bool = True):
-    """``load_target(args.target)`` with ``--device``, ``--dtype`` and ``--compile`` applied (``args.device``
-    and ``args.dtype`` are resolved in place, so later readers see what was loaded)."""
+def load_decoding_target(name_or_path: str, device: str | None = "auto", dtype: str | None = None,
+                         compile: bool = False, tokenizer: bool = True):
+    """The target as every decoding command loads it (the CLI through ``load_target_from_args``, ``dspark.load``
+    directly): on ``device`` (auto = cuda when a GPU is available), in ``dtype`` (None = bfloat16 on cuda,
+    float32 on cpu), in the decoding layout (q/k/v and gate/up fused, weights prepacked unless ``compile``) with
+    one-token steps computed as verify blocks compute their rows (``batch_invariant``), ``torch.compile``d
+    decoder layers with ``compile``. ``dspark.target.model.load_target``'s own defaults are the plain layout."""
+    from dspark.errors import DSparkError
     from dspark.target.model import load_target
 
-    device, dtype = resolve_target_args(args)
-    # the decoding layout (fused, prepacked), one-token steps computed as verify blocks compute their rows
-    compile_ = getattr(args, "compile", False)
-    target = load_target(args.target, dtype=torch_dtype(dtype), tokenizer=tokenizer, device=device,
-                         fuse=True, batch_invariant=True, pack=not compile_)
-    if compile_:
+    device = resolve_device(device)
+    dtype = dtype or default_dtype_name(device)
+    if dtype not in DTYPE_NAMES:
+        raise DSparkError(f"dtype {dtype!r}: expected one of {', '.join(DTYPE_NAMES)}")
+    target = load_target(name_or_path, dtype=torch_dtype(dtype), tokenizer=tokenizer, device=device,
+                         fuse=True, batch_invariant=True, pack=not compile)
+    if compile:
         from dspark.modeling.compile import compile_decoder
 
         compile_decoder(target.model)
     return target
+
+
+def load_target_from_args(args: argparse.Namespace, tokenizer: bool = True):
+    """``load_decoding_target(args.target)`` with ``--device``, ``--dtype`` and ``--compile`` applied (``args.device``
+    and ``args.dtype`` are resolved in place, so later readers see what was loaded)."""
+    device, dtype = resolve_target_args(args)
+    return load_decoding_target(args.target, device, dtype, getattr(args, "compile", False), tokenizer)

@@ -3,7 +3,7 @@
 Pure functions of the results dicts that ``runner``, ``sweep`` and
 ``reproduce`` write, and the files of an eval run (``write_results``,
 ``load_results``); no model code. ``docs_results_markdown`` assembles
-``docs/results-study.md`` from a reproduce run.
+``docs/reports/results-study.md`` from a reproduce run.
 """
 
 from __future__ import annotations
@@ -258,7 +258,7 @@ def plot_ablation(rows: Sequence[Mapping[str, Any]], path: str | Path, x_label: 
     return path
 
 
-# --------------------------------------------------------------------------- docs/results-study.md
+# --------------------------------------------------------------------------- docs/reports/results-study.md
 
 
 def _budget_value(v: Any) -> str:
@@ -279,7 +279,7 @@ def docs_results_markdown(
     figures: Mapping[str, str],
     notes: Sequence[str] = (),
 ) -> str:
-    """``docs/results-study.md`` of a reproduce run; ``figures`` maps a caption to a path relative to docs/."""
+    """``docs/reports/results-study.md`` of a reproduce run; ``figures`` maps a caption to a path relative to the page."""
     lines = [
         "# Results",
         "",

@@ -14,7 +14,7 @@ forward or logits call of exactly one row runs on that row twice and keeps
 one: every row is computed as a verify block computes it. The price is paid
 by steps of one row only (plain decoding, a step with no drafts): about 13 %
 of such a step with prepacked bf16 weights on SmolLM2
-(docs/performance-packing.md). ``TargetModel.batch_invariance_holds`` checks the
+(docs/reports/performance-packing.md). ``TargetModel.batch_invariance_holds`` checks the
 property on the model itself.
 
 Shapes: N = tokens in the batch, H = hidden size, V = vocabulary,

@@ -3,7 +3,7 @@
 The series (which drafters, trained how, plotted where) are shared by ``dspark reproduce --ablations`` and the
 reduced ablation run of ``bench/ablation.py``: every drafter of one ablation is trained on a study's feature
 cache for the same wall-clock budget with one thread, then all are evaluated together on a few samples per
-benchmark, and ``docs/ablation-<kind>.md`` with ``docs/figures/ablation_<kind>.png`` is written. The run is
+benchmark, and ``docs/reports/ablation-<kind>.md`` with ``docs/reports/figures/ablation_<kind>.png`` is written. The run is
 resumable: finished trainings are kept (``--resume``) and the evaluation resumes per sample.
 """
 
@@ -152,8 +152,8 @@ def ablation_commands(cfg: ReducedAblation) -> list[list[str]]:
     return commands
 
 
-def write_ablation_doc(cfg: ReducedAblation, docs: Path = Path("docs")) -> tuple[Path, Path]:
-    """docs/ablation-<kind>.md and docs/figures/ablation_<kind>.png from the run's results and training summaries."""
+def write_ablation_doc(cfg: ReducedAblation, docs: Path = Path("docs/reports")) -> tuple[Path, Path]:
+    """DOCS/ablation-<kind>.md and DOCS/figures/ablation_<kind>.png (DOCS: docs/reports) from the run's results and training summaries."""
     from dspark.evaluation.report import plot_ablation
     from dspark.tables import markdown_table
 
@@ -183,7 +183,7 @@ def write_ablation_doc(cfg: ReducedAblation, docs: Path = Path("docs")) -> tuple
     return doc, fig
 
 
-def run_reduced_ablation(cfg: ReducedAblation, docs: Path = Path("docs"),
+def run_reduced_ablation(cfg: ReducedAblation, docs: Path = Path("docs/reports"),
                          run: Callable[[list[str]], Any] = lambda cmd: subprocess.run(cmd, check=True),
                          log: Callable[[str], None] = lambda msg: print(msg, flush=True)) -> tuple[Path, Path]:
     """Train every drafter of the ablation (resumable), evaluate them together, write the page and the figure."""

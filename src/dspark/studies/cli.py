@@ -16,7 +16,7 @@ from dspark.target.presets import DEFAULT_TARGET
 def add_reproduce(sub: argparse._SubParsersAction) -> None:
     budgets = reproduce.BUDGETS
     p = sub.add_parser(
-        "reproduce", help="run the whole study (data, training, calibration, evaluation, figures, docs/results-study.md)",
+        "reproduce", help="run the whole study (data, training, calibration, evaluation, figures, docs/reports/results-study.md)",
         description=reproduce.__doc__.split("\n\n")[0] + "\n\nResumable: finished steps are skipped. Budgets: "
         + "; ".join(f"{b.name}: {b.num_prompts} prompts, {b.train_time_s:g}s per drafter, eval limit "
                     f"{b.eval_limit or 'caps'}" for b in budgets.values()),
@@ -29,7 +29,7 @@ def add_reproduce(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ablations", action="store_true", help="also the depth (Fig. 3) and block-size (Fig. 4) ablations")
     p.add_argument("--data", default=None, metavar="TOKDIR",
                    help="use this tokenized dataset (dspark data tokenize) instead of building one")
-    p.add_argument("--docs", default="docs/results-study.md", help="results page to write (default: %(default)s)")
+    p.add_argument("--docs", default="docs/reports/results-study.md", help="results page to write (default: %(default)s)")
     p.add_argument("--dry-run", action="store_true", help="print the commands (with done/todo) and run nothing")
     p.set_defaults(func=_reproduce)
 
@@ -68,5 +68,5 @@ def add_demo(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--draft-vocab-size", type=int, default=4096, metavar="N",
                    help="without --draft-vocab, build one of N tokens from the drafter's own training data "
                    "(its train_config.json), 0 = draft from the whole vocabulary (default: %(default)s)")
-    # the cheapest drafting measured on a CPU (docs/performance.md); --head-top-m 0 undoes it
+    # the cheapest drafting measured on a CPU (docs/reports/performance.md); --head-top-m 0 undoes it
     p.set_defaults(func=run_demo, head_top_m=64)

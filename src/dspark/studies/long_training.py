@@ -1,4 +1,4 @@
-"""What a longer training budget does (docs/long-training.md), written by ``bench/long_training.sh``.
+"""What a longer training budget does (docs/reports/long-training.md), written by ``bench/long_training.sh``.
 
 The shell script trains DSpark (Markov head) for BUDGET seconds and DFlash for the same number of optimizer
 steps on the study's feature cache, evaluates both next to the study's own DSpark drafter, then calls
@@ -19,8 +19,8 @@ def _summary(run: str | Path) -> dict:
 
 
 def write_long_training_page(run: str | Path, eval_dir: str | Path, budget: str, study_run: str | Path,
-                             dflash_run: str | Path, docs: str | Path = "docs") -> Path:
-    """docs/long-training.md (+ the math acceptance figure) from the runs' summaries and the eval folder."""
+                             dflash_run: str | Path, docs: str | Path = "docs/reports") -> Path:
+    """DOCS/long-training.md (+ the math acceptance figure in DOCS/figures; DOCS: docs/reports) from the runs' summaries and the eval folder."""
     docs, eval_dir = Path(docs), Path(eval_dir)
     long, short, dflash = _summary(run), _summary(study_run), _summary(dflash_run)
     (docs / "figures").mkdir(parents=True, exist_ok=True)

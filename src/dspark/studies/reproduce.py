@@ -2,7 +2,7 @@
 
     prompts -> regenerate -> tokenize -> train x4 (Eagle3, DFlash, DSpark Markov, DSpark RNN)
     -> calibrate (STS, DSpark) -> eval (Table 1, Fig. 2) -> threshold sweep (Fig. 5)
-    [-> ablations: depth 1-5 (Fig. 3), block sizes (Fig. 4)] -> docs/results-study.md
+    [-> ablations: depth 1-5 (Fig. 3), block sizes (Fig. 4)] -> docs/reports/results-study.md
 
 Every step is an ordinary `dspark ...` command (printed by ``--dry-run``), run
 in a subprocess. A step that finished leaves a marker in ``OUT/.done/`` and is
@@ -73,7 +73,7 @@ BUDGETS: dict[str, Budget] = {
                     max_length=512, train_epochs=3, train_time_s=1800, eval_limit=10, eval_max_new_tokens=192,
                     calib_limit=30, sweep_thresholds=(0.0, 0.2, 0.4, 0.6, 0.8, 0.9), ablation_train_time_s=600,
                     block_ablation_layers=1),
-    # the study committed in docs/results-study.md: about 1.5 hours on a quiet 2-core CPU, given tokenized data
+    # the study committed in docs/reports/results-study.md: about 1.5 hours on a quiet 2-core CPU, given tokenized data
     "cpu": Budget("cpu", num_prompts=1200, alpaca_num=40, regen_max_new_tokens=256, regen_batch_size=24,
                   max_length=512, train_epochs=10, train_time_s=540, eval_limit=2, eval_max_new_tokens=128,
                   calib_limit=6, sweep_thresholds=(0.0, 0.3, 0.6, 0.9), ablation_train_time_s=240,
@@ -302,7 +302,7 @@ def _read_json(path: Path) -> dict[str, Any] | None:
 
 
 def write_docs(out: str | Path, budget: Budget, docs_path: str | Path, command: str) -> Path:
-    """docs/results-study.md (+ docs/figures/) from whatever the run has produced so far."""
+    """docs/reports/results-study.md (+ docs/reports/figures/) from whatever the run has produced so far."""
     from dspark.evaluation.report import docs_results_markdown, plot_ablation
 
     out, docs_path = Path(out), Path(docs_path)
@@ -362,7 +362,7 @@ def write_docs(out: str | Path, budget: Budget, docs_path: str | Path, command: 
 
 
 def run_study(budget: Budget, out: str | Path, target: str = "smollm2-135m", ablations: bool = False,
-              data_dir: str | Path | None = None, docs_path: str | Path = "docs/results-study.md",
+              data_dir: str | Path | None = None, docs_path: str | Path = "docs/reports/results-study.md",
               dry_run: bool = False, log: Callable[[str], None] = print) -> Path | None:
     """Plan, run (resumably) and write ``docs_path``; with ``dry_run`` list the commands only (returns None)."""
     steps = plan(budget, out, target, ablations, data_dir)

@@ -234,7 +234,7 @@ def load_target(name_or_path: str, dtype: torch.dtype = torch.float32, tokenizer
     ``batch_invariant`` (decoding): in bfloat16 on the CPU, compute a one-token step as a verify block computes
     its rows (``TargetModel.make_batch_invariant``), so greedy speculative decoding emits exactly plain
     decoding's text; a warning where this backend still rounds them differently. Ignored elsewhere: float32
-    logits differ slightly between the two shapes (``step_block_gap``, docs/performance-packing.md; a greedy flip
+    logits differ slightly between the two shapes (``step_block_gap``, docs/reports/performance-packing.md; a greedy flip
     needs a tie that close), GPUs need other kernels.
     """
     folder = resolve_model_path(name_or_path)
@@ -258,6 +258,6 @@ def load_target(name_or_path: str, dtype: torch.dtype = torch.float32, tokenizer
 
 def cpu_has_bf16_matmul() -> bool:
     """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX tiles): there bf16 decoding beats
-    float32 (docs/performance-bf16.md) and ``make_batch_invariant`` is what makes it exact."""
+    float32 (docs/reports/performance.md) and ``make_batch_invariant`` is what makes it exact."""
     probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
     return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
