@@ -366,7 +366,14 @@ def render(result: dict, command: str) -> str:
 
 
 def write_page(result: dict, command: str, path: str | Path) -> Path:
+    """The page; the Soak section a `--soak` run wrote (``chaos_soak``) is kept."""
+    from dspark.bench.chaos_soak import BEGIN, END
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(render(result, command))
+    old = path.read_text() if path.exists() else ""
+    page = render(result, command)
+    if BEGIN in old and END in old:
+        page = page.rstrip("\n") + "\n\n" + BEGIN + old.split(BEGIN, 1)[1].split(END, 1)[0] + END + "\n"
+    path.write_text(page)
     return path

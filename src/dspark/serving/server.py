@@ -80,7 +80,7 @@ from dspark.serving.protocol import (
 from dspark.serving.text import TextStream
 
 
-ENGINE_STOP_S = 1.0  # at shutdown, how long to wait for the engine thread's last step
+ENGINE_STOP_S = 0.25  # at shutdown, how long to wait for the engine thread's last step (a daemon thread)
 
 
 @dataclass
