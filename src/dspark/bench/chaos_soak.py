@@ -65,6 +65,7 @@ class SoakConfig:
     seed: int = 0
     shutdown_streams: int = 8
     shutdown_timeout_s: float = 5.0
+    max_body_bytes: int = 4 * 1024 * 1024  # the server's default (serving.limits.DEFAULT_MAX_BODY_BYTES)
     serve_args: list[str] = field(default_factory=list)  # extra `dspark serve` flags
     env: dict[str, str] = field(default_factory=dict)  # extra environment of the server process
 
@@ -165,6 +166,81 @@ def send(client: httpx.Client, url: str, req: dict) -> str:
         return f"transport ({type(err).__name__})"
 
 
+class HealthWatch:
+    """Polls /health every ``every`` seconds in a thread; ``worst()`` is the slowest answer since the last call."""
+
+    def __init__(self, url: str, every: float = 0.2) -> None:
+        self.url, self.every = url, every
+        self._worst, self._failures = 0.0, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=60) as client:
+            while not self._stop.is_set():
+                t0 = time.perf_counter()
+                try:
+                    ok = client.get(f"{self.url}/health").status_code == 200
+                except httpx.HTTPError:
+                    ok = False
+                self._worst = max(self._worst, time.perf_counter() - t0)
+                self._failures += not ok
+                self._stop.wait(self.every)
+
+    def __enter__(self) -> "HealthWatch":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(60)
+
+    def worst(self) -> tuple[float, int]:
+        worst, failures = self._worst, self._failures
+        self._worst, self._failures = 0.0, 0
+        return worst, failures
+
+
+def heavy_inputs(max_body: int) -> list[tuple[str, str, dict]]:
+    """(name, path, body) of the requests that cost the most per byte: each must leave /health answering."""
+    big = max_body - 4096
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    return [
+        ("text prompt near the body limit", "completions", {"prompt": "word " * (big // 5), "max_tokens": 2}),
+        ("chat message near the body limit", "chat/completions",
+         {"messages": [{"role": "user", "content": "a b " * (big // 4)}], "max_tokens": 2}),
+        ("100,000 one-word messages", "chat/completions",
+         {"messages": [{"role": "user", "content": "a"}] * 100_000, "max_tokens": 2}),
+        ("token-id prompt near the body limit", "completions", {"prompt": [7] * (big // 3), "max_tokens": 2}),
+        ("a 1,000,000-character stop string", "completions", {"prompt": "hi", "stop": ["q" * 1_000_000]}),
+        ("16 stop strings of 2,048 characters", "completions",
+         {"prompt": "hi", "max_tokens": 4, "stop": ["q" * 2047 + str(i % 10) for i in range(16)]}),
+        ("100,000 stop_token_ids", "completions", {"prompt": "hi", "stop_token_ids": [3] * 100_000}),
+        ("logit_bias with 200,000 entries", "completions",
+         {"prompt": "hi", "logit_bias": {str(i): 1 for i in range(200_000)}}),
+        ("chat_template_kwargs.messages", "chat/completions", {**chat, "chat_template_kwargs": {"messages": 1}}),
+        ("20,000 chat_template_kwargs", "chat/completions",
+         {**chat, "chat_template_kwargs": {f"k{i}": i for i in range(20_000)}}),
+    ]
+
+
+def run_heavy(url: str, max_body: int) -> list[dict]:
+    rows = []
+    with httpx.Client(timeout=600) as client:
+        for name, path, body in heavy_inputs(max_body):
+            raw = json.dumps(body).encode()
+            with HealthWatch(url, every=0.05) as watch:
+                time.sleep(0.1)
+                t0 = time.perf_counter()
+                resp = client.post(f"{url}/v1/{path}", content=raw, headers={"Content-Type": "application/json"})
+                seconds = time.perf_counter() - t0
+                time.sleep(0.1)
+            worst, failures = watch.worst()
+            rows.append({"name": name, "bytes": len(raw), "status": resp.status_code, "seconds": seconds,
+                         "health_worst_s": worst, "health_failures": failures})
+    return rows
+
+
 def run_load(url: str, requests: list[dict], cfg: SoakConfig, pid: int, log=print) -> tuple[list[dict], dict]:
     samples = [{"requests": 0, "rss_mib": rss_mib(pid), "seconds": 0.0}]
     log(f"[soak] RSS at start {samples[0]['rss_mib']:.0f} MiB")
@@ -181,13 +257,17 @@ def run_load(url: str, requests: list[dict], cfg: SoakConfig, pid: int, log=prin
             key = f"{req['kind']}: {outcome}"
             outcomes[key] = outcomes.get(key, 0) + 1
 
+    watch = HealthWatch(url).__enter__()
     for b, start in enumerate(range(0, len(requests), cfg.block)):
         with ThreadPoolExecutor(CONCURRENCY[b % len(CONCURRENCY)]) as pool:
             list(pool.map(one, requests[start : start + cfg.block]))
         done = min(start + cfg.block, len(requests))
-        samples.append({"requests": done, "rss_mib": rss_mib(pid), "seconds": time.perf_counter() - t0})
+        worst, failures = watch.worst()
+        samples.append({"requests": done, "rss_mib": rss_mib(pid), "seconds": time.perf_counter() - t0,
+                        "health_worst_s": worst, "health_failures": failures})
         if done % 200 == 0 or done == len(requests):
             log(f"[soak] {done} requests, {samples[-1]['seconds']:.0f} s, RSS {samples[-1]['rss_mib']:.0f} MiB")
+    watch.__exit__(None, None, None)
     time.sleep(5)
     samples.append({"requests": len(requests), "rss_mib": rss_mib(pid), "seconds": time.perf_counter() - t0,
                     "idle": True})
@@ -246,6 +326,8 @@ def run_soak(cfg: SoakConfig, log_path: Path, log=print) -> dict:
     log(f"[soak] starting dspark serve --target {cfg.target} --drafter {cfg.drafter}")
     proc, url = start_server(cfg, log_path)
     try:
+        log("[soak] heavy inputs")
+        heavy = run_heavy(url, cfg.max_body_bytes)
         samples, outcomes = run_load(url, requests, cfg, proc.pid, log)
         log("[soak] SIGTERM with streams in flight")
         shutdown = run_shutdown(proc, url, cfg)
@@ -254,7 +336,7 @@ def run_soak(cfg: SoakConfig, log_path: Path, log=print) -> dict:
             proc.kill()
             proc.wait()
     text = log_path.read_text(errors="replace")
-    return {"config": asdict(cfg), "samples": samples, "outcomes": outcomes, "shutdown": shutdown,
+    return {"config": asdict(cfg), "samples": samples, "outcomes": outcomes, "shutdown": shutdown, "heavy": heavy,
             "tracebacks": text.count("Traceback"), "cancelled_errors": text.count("CancelledError"),
             "kinds": {k: sum(r["kind"] == k for r in requests) for k in KINDS},
             "streams": sum(r["stream"] for r in requests)}
@@ -295,12 +377,23 @@ def render_soak(result: dict, command: str) -> str:
     lines += ["", f"RSS after {n} requests / after {marks[0]}: **{fmt(ratio, 3)}** (goal: within 10 %, i.e. <= 1.10). "
               f"Unexpected outcomes (5xx, cut streams, refused good requests): "
               f"{sum(bad.values())}{' ' + json.dumps(bad) if bad else ''}; tracebacks in the server log: "
-              f"{result['tracebacks']}, `CancelledError`: {result['cancelled_errors']}.", "",
+              f"{result['tracebacks']}, `CancelledError`: {result['cancelled_errors']}. Slowest /health answer "
+              f"during the soak: {fmt(max(s.get('health_worst_s', 0.0) for s in samples), 3)} s (goal: <= 1 s).", "",
               f"Then SIGTERM with {sd['streams']} streams running (`--shutdown-timeout {sd['timeout_s']}`): exit "
               f"status {sd['returncode']} after {fmt(sd['exit_s'], 2)} s (goal: 0 within timeout + 2 s); the "
               "streams ended: " + ", ".join(f"{v} {k}" for k, v in sd["ends"].items()) + ".",
-              "", "Every sample:", "", "| requests | RSS (MiB) |", "|---|---|"]
-    lines += [f"| {s['requests']}{' idle' if s.get('idle') else ''} | {fmt(s['rss_mib'], 0)} |" for s in samples]
+              "", "Every sample (slowest /health: the worst of its polls every 0.2 s during the block):", "",
+              "| requests | RSS (MiB) | slowest /health (s) |", "|---|---|---|"]
+    lines += [f"| {s['requests']}{' idle' if s.get('idle') else ''} | {fmt(s['rss_mib'], 0)} | "
+              f"{fmt(s['health_worst_s'], 3) if 'health_worst_s' in s else '-'} |" for s in samples]
+    heavy = result.get("heavy") or []
+    if heavy:
+        lines += ["", "### Heavy inputs", "",
+                  "Before the soak, one at a time, while /health is polled every 0.05 s (goal: no answer slower "
+                  "than 1 s):", "", "| request | body (bytes) | status | answered in (s) | slowest /health (s) |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {h['name']} | {h['bytes']} | {h['status']} | {fmt(h['seconds'], 3)} | "
+                  f"{fmt(h['health_worst_s'], 3)} |" for h in heavy]
     lines += [END]
     return "\n".join(lines)
 

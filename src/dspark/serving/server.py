@@ -64,6 +64,7 @@ from dspark.errors import PromptError
 from dspark.sampling.processing import SamplingParams
 from dspark.serving.engine import Engine, EngineClosedError, QueueFullError, RequestHandle
 from dspark.serving.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit, uvicorn_limits
+from dspark.serving.memory import Trimmer
 from dspark.serving.metrics import CONTENT_TYPE, ServerMetrics
 from dspark.serving.params import ContextBudget, SamplingDefaults, sampling_params, stop_strings, truncate_prompt
 from dspark.serving.prompts import encode_messages, encode_prompt
@@ -92,6 +93,7 @@ class ServerConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get 413 unread
     max_prompt_tokens: int | None = None  # longer prompts get 400 (None: the model's context)
     shutdown_timeout_s: float = 30.0  # on shutdown, how long running requests may go on (``shutdown``)
+    malloc_trim_every: int = 0  # return free heap pages to the system every N requests (``memory``; 0: never)
 
 
 # =============================================================== the app
@@ -117,6 +119,7 @@ def create_app(engine: Engine, tokenizer, config: ServerConfig, manage_engine: b
     if defaults is None:
         defaults = SamplingDefaults.from_folder(engine.target.path)
     metrics = ServerMetrics(engine.stats, config.model_name, max_context)
+    trimmer = Trimmer(config.malloc_trim_every)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, err: APIError):
@@ -211,6 +214,7 @@ def create_app(engine: Engine, tokenizer, config: ServerConfig, manage_engine: b
                 handle.cancel()
             metrics.request_done(time.perf_counter() - arrival, len(handle.prompt_ids), text.num_tokens,
                                  handle.stats)
+            trimmer.done()
 
     def usage(prompt_len: int, text: TextStream) -> dict[str, int]:
         n = text.num_tokens
