@@ -14,7 +14,7 @@ from typing import Any
 
 from jinja2 import TemplateError
 
-from dspark.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest, check_text
+from dspark.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest, check_text, prompt_value
 
 ROLES = ("system", "developer", "user", "assistant")
 
@@ -52,12 +52,8 @@ def check_prompt_chars(tokenizer, chars: int, max_prompt_tokens: int | None, tru
 
 def encode_prompt(tokenizer, req: CompletionRequest, max_prompt_tokens: int | None = None) -> list[int]:
     """The prompt's token ids; ``max_prompt_tokens`` refuses, untokenised, a text sure to be longer."""
-    check_text(req.prompt, "prompt")
-    prompt = req.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise APIError(400, f"send one prompt per request (got {len(prompt)})", param="prompt")
-        prompt = prompt[0]
+    prompt = prompt_value(req.prompt)
+    check_text(prompt, "prompt")
     if not prompt:
         raise APIError(400, "the prompt is empty", param="prompt")
     if isinstance(prompt, str):
