@@ -68,6 +68,7 @@ class SoakConfig:
     max_body_bytes: int = 4 * 1024 * 1024  # the server's default (serving.limits.DEFAULT_MAX_BODY_BYTES)
     serve_args: list[str] = field(default_factory=list)  # extra `dspark serve` flags
     env: dict[str, str] = field(default_factory=dict)  # extra environment of the server process
+    progress_path: str | None = None  # the samples so far, rewritten after every block
 
 
 def rss_mib(pid: int) -> float:
@@ -265,6 +266,8 @@ def run_load(url: str, requests: list[dict], cfg: SoakConfig, pid: int, log=prin
         worst, failures = watch.worst()
         samples.append({"requests": done, "rss_mib": rss_mib(pid), "seconds": time.perf_counter() - t0,
                         "health_worst_s": worst, "health_failures": failures})
+        if cfg.progress_path:  # a run stopped early still leaves its samples
+            Path(cfg.progress_path).write_text(json.dumps({"samples": samples, "outcomes": outcomes}))
         if done % 200 == 0 or done == len(requests):
             log(f"[soak] {done} requests, {samples[-1]['seconds']:.0f} s, RSS {samples[-1]['rss_mib']:.0f} MiB")
     watch.__exit__(None, None, None)

@@ -191,8 +191,9 @@ def _bench_soak(args: argparse.Namespace) -> int:
     target = "smollm2-135m" if args.target == "tiny" else args.target  # a server process needs a real folder
     cfg = SoakConfig(target=target, drafter=args.drafter, requests=args.soak, block=args.soak_block,
                      threads=getattr(args, "threads", None) or 1, env=env,
-                     serve_args=shlex.split(args.soak_serve_args))
-    log_path = Path(tempfile.gettempdir()) / "dspark-soak-serve.log"
+                     serve_args=shlex.split(args.soak_serve_args),
+                     progress_path=str(Path(tempfile.gettempdir()) / f"dspark-soak-progress-{os.getpid()}.json"))
+    log_path = Path(tempfile.gettempdir()) / f"dspark-soak-serve-{os.getpid()}.log"
     Path(args.doc).parent.mkdir(parents=True, exist_ok=True)
     result = run_soak(cfg, log_path, lambda msg: print(msg, file=sys.stderr, flush=True))
     Path(args.doc).with_suffix(".soak.json").write_text(json.dumps(result, indent=1))

@@ -83,8 +83,9 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
                    help="close a connection whose request head has not arrived S seconds after it opened or "
                    "after its last response (slowloris) (default: %(default)s)")
     p.add_argument("--malloc-tuning", action=argparse.BooleanOptionalAction, default=True,
-                   help="glibc: fixed mmap/trim thresholds, 2 arenas, and free heap pages returned every 64 "
-                   "requests, which keeps RSS flat over a long run (docs/reliability.md, Soak) (default: on)")
+                   help="memory settings for a long run: oneDNN's kernel cache capped at 16 shapes, and glibc "
+                   "with fixed mmap/trim thresholds, 2 arenas and free heap pages returned every 64 requests, "
+                   "which keep RSS flat (docs/reliability.md, Soak) (default: on)")
     p.add_argument("--prefill-chunk", type=int, default=256, metavar="N",
                    help="prompt tokens prefilled between two decode steps, so a long prompt delays the other "
                    "streams by one chunk at most; 0 prefills whole prompts (default: %(default)s)")
@@ -127,8 +128,9 @@ def _serve(args: argparse.Namespace) -> int:
         raise DSparkError(f"--generation-config {args.generation_config!r} is not auto, vllm or a folder")
     spec = parse_policy(args.policy)
     if args.malloc_tuning:  # before the model is loaded: its tensors and every later one follow the settings
-        from dspark.serving.memory import tune_malloc
+        from dspark.serving.memory import cap_onednn_cache, tune_malloc
 
+        cap_onednn_cache()
         tune_malloc()
     set_threads(args.threads)
     target = load_target_from_args(args)

@@ -6,6 +6,11 @@ With glibc's defaults a freed block of a few MB raises the mmap threshold to its
 of that size come from per-thread heaps (arenas) that fragment and are seldom returned to the system:
 RSS rises in steps with the mix of request sizes and never comes back (docs/reliability.md, Soak).
 
+The largest grower is oneDNN's primitive cache (bf16 matmuls on CPU): it keeps up to 1,024 compiled
+kernels, one per new (rows, weight) shape, each holding its own buffers, and a server sees a new row
+count with almost every new prompt length and batch. ``cap_onednn_cache`` caps it (the soak in
+docs/reliability.md measured both).
+
 ``tune_malloc`` fixes the thresholds (mallopt: which also turns off their dynamic adjustment) and caps
 the number of arenas; ``Trimmer`` returns free heap pages to the system (malloc_trim) every
 ``every`` finished requests, in a worker thread. Both are no-ops where the C library is not glibc, and
@@ -45,6 +50,15 @@ def tune_malloc(arena_max: int = 2, mmap_threshold: int = 256 * 1024, trim_thres
         if os.environ.get(ENV[param]) is None and libc.mallopt(param, value) == 1:
             applied[ENV[param]] = value
     return applied
+
+
+ONEDNN_CACHE_CAPACITY = 16  # oneDNN's default is 1024
+
+
+def cap_onednn_cache(capacity: int = ONEDNN_CACHE_CAPACITY) -> int:
+    """Cap oneDNN's primitive cache (read at its first use, so call this before the first matmul); an
+    ONEDNN_PRIMITIVE_CACHE_CAPACITY given in the environment wins. Returns the capacity in force."""
+    return int(os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(capacity)))
 
 
 class Trimmer:
