@@ -396,8 +396,10 @@ def limits_section() -> list[str]:
         f"OpenAI's shape; uvicorn is left nothing to cancel (at most {ABORT_GRACE_S} + {FORCE_GRACE_S} s more) "
         "and the process exits 0. Tested against a real `dspark serve` in `tests/serving/test_shutdown.py`; "
         "the Soak section times it.", "",
-        "Memory (`serving/memory.py`, `--malloc-tuning`, on by default): fixed glibc mmap and trim thresholds, "
-        "two malloc arenas, and `malloc_trim` every 64 requests; the Soak section measures RSS with them.", "",
+        "Memory (`serving/memory.py`, `--malloc-tuning`, on by default): oneDNN's primitive cache (a compiled "
+        "kernel with its buffers per new matmul shape, 1,024 by default) capped at 16, fixed glibc mmap and trim "
+        "thresholds, two malloc arenas, and `malloc_trim` every 64 requests; the Soak section measures RSS "
+        "with them.", "",
     ]
 
 
