@@ -85,7 +85,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--malloc-tuning", action=argparse.BooleanOptionalAction, default=True,
                    help="memory settings for a long run: oneDNN's kernel cache capped at 16 shapes, and glibc "
                    "with fixed mmap/trim thresholds, 2 arenas and free heap pages returned every 64 requests, "
-                   "which keep RSS flat (docs/reliability.md, Soak) (default: on)")
+                   "which lower RSS over a long run (docs/reliability.md, Soak) (default: on)")
     p.add_argument("--prefill-chunk", type=int, default=256, metavar="N",
                    help="prompt tokens prefilled between two decode steps, so a long prompt delays the other "
                    "streams by one chunk at most; 0 prefills whole prompts (default: %(default)s)")
