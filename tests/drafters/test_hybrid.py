@@ -141,3 +141,152 @@ def test_bad_adaptive_settings_are_refused(tiny):
         _hybrid(tiny, draft_cost=-0.1)
     with pytest.raises(ValueError, match="alpha"):
         _hybrid(tiny, alpha=0.0)
+
+
+# ---------------------------------------------------------------- mutants the tests above must not let through
+class PeekingHybrid(HybridDrafter):
+    """Mutant: keeps a short lookup only when the trained drafter's first sampled token agrees with it. The
+    choice then reads a draft sampled this step (DESIGN §2b (c)): biased, though each row reports its source's
+    exact distribution."""
+
+    def _choose(self, req, max_tokens):
+        source, cont = super()._choose(req, max_tokens)
+        if source == "short":
+            peek = self.model_drafter.propose([req], [min(max_tokens, self.block_size)])
+            if int(peek.num_tokens[0]) == 0 or int(peek.tokens[0, 0]) != cont[0]:
+                return "model", []
+        return source, cont
+
+
+def _misplacing(hybrid: HybridDrafter) -> HybridDrafter:
+    """Mutant: a lookup row's one-hot at draft position k >= 1 is put on the token of position k - 1."""
+    inner = hybrid.propose
+
+    def propose(requests, max_tokens):
+        block = inner(requests, max_tokens)
+        for r in range(block.tokens.shape[0]):
+            n = int(block.num_tokens[r])
+            if n >= 2 and bool((block.draft_probs[r, :n].amax(-1) == 1.0).all()):  # a lookup row
+                block.draft_probs[r, 1:n] = 0.0
+                block.draft_probs[r, torch.arange(1, n), block.tokens[r, : n - 1]] = 1.0
+        return block
+
+    hybrid.propose = propose
+    return hybrid
+
+
+def small_vocab_target():
+    return tiny_target(seed=6, sharp=0.5, vocab_size=12, eos_token_id=999)
+
+
+def _choice_histories(target) -> list[tuple[list[int], HybridTrack]]:
+    """Histories that reach every branch of the choice: long matches, short ones on both sides of the
+    adaptive threshold, and none. Tokens from a small alphabet so that matches are common."""
+    g = torch.Generator().manual_seed(11)
+    tracks = [(1.0, 1.0), (0.7, 1.0), (0.5, 1.0), (0.0, 3.0), (2.0, 0.5), (0.66, 1.0)]
+    out = []
+    for i in range(36):
+        tokens = torch.randint(5, 11, (int(torch.randint(6, 14, (1,), generator=g)),), generator=g).tolist()
+        short, model = tracks[i % len(tracks)]
+        out.append((tokens, HybridTrack(short_lookup=short, model=model)))
+    out.append(([5, 9, 3, 4, 1, 9], HybridTrack()))  # a short match only
+    out.append(([0, 1, 2, 3], HybridTrack()))  # no match
+    return out
+
+
+def _choices(make_hybrid, target, seeds=range(6)) -> list[set[str]]:
+    """For each history, the sources the hybrid chose under each drafter seed (the same committed tokens and
+    track, only the generator that samples this step's drafts differs)."""
+    import copy
+
+    hybrid = make_hybrid()
+    seen = []
+    for tokens, track in _choice_histories(target):
+        sources = set()
+        for seed in seeds:
+            req = request_after(target, tokens, LAYER_IDS, SamplingParams(temperature=1.0, max_new_tokens=32, seed=seed))
+            req.hybrid_state = copy.deepcopy(track)
+            hybrid.propose([req], [4])
+            sources.add(req.hybrid_state.last[0])
+        seen.append(sources)
+    return seen
+
+
+@pytest.mark.parametrize("min_ngram, adaptive", [(3, True), (2, True), (3, False), (1, True)])
+def test_the_choice_does_not_depend_on_this_steps_drafts(min_ngram, adaptive):
+    """Same history, different drafter seeds: the same source, for every branch of the choice. V = 12, so the
+    trained drafter's first token often equals a lookup's (what a peeking choice would react to)."""
+    target = small_vocab_target()
+    seen = _choices(lambda: _hybrid(target, min_ngram=min_ngram, adaptive=adaptive), target)
+    assert all(len(s) == 1 for s in seen), seen
+    reached = set().union(*seen)
+    assert "model" in reached and ("short" in reached or not adaptive or min_ngram == 1), reached
+    assert "long" in reached
+
+
+def test_negative_control_a_peeking_choice_is_caught_by_the_invariance_check():
+    target = small_vocab_target()
+    seen = _choices(lambda: PeekingHybrid(DSparkDrafter(tiny_dspark(target)), target.vocab_size, min_ngram=3), target)
+    assert any(len(s) > 1 for s in seen)
+
+
+def successor_target(V: int = 12, peak: float = 0.6, repeat: float = 0.5, seed: int = 6):
+    """A tiny target that continues k with k + 1 (mod V) or with k again, each with p ~ 0.3-0.5: the first is
+    the continuation prompt lookup finds in ``list(range(V)) + [0]``, so lookup drafts are often accepted and
+    their 2nd position verified; the second makes a wrong report at that position costly (see below)."""
+    target = tiny_target(seed=seed, sharp=1.0, vocab_size=V, eos_token_id=999)
+    with torch.no_grad():
+        for name, p in target.model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                p.mul_(0.1)  # the layers perturb the residual stream (the token's embedding) a little
+        emb = target.model.model.embed_tokens.weight
+        emb.copy_(torch.nn.functional.normalize(emb, dim=-1) * 5.7)  # RMS 1 after the final norm
+        # row j reads token j - 1 (successor) and token j (repeat)
+        target.model.lm_head.weight.copy_((torch.roll(emb, 1, 0) * peak + emb * repeat) / 5.7)
+    return target
+
+
+@pytest.mark.parametrize("mutant", [None, "misplaced-one-hot", "uniform-lookup-probs"])
+def test_two_lookup_drafts_per_step_follow_the_target(mutant):
+    """Short matches dominate (min_ngram 3; every token occurs once in the prompt, so the context's last token
+    always has an earlier 1-gram match whose continuation is 2 tokens long) and the first cycle drafts 2
+    lookup tokens (max_new_tokens 4): the (x2, x3) joint checks the second draft position too. Controls: a
+    one-hot at the wrong position for k >= 1 (invisible when one token is drafted per step), and lookup rows
+    reporting a uniform distribution."""
+    V = 12
+    target = successor_target(V)
+    prompt = list(range(V)) + [0]
+    hybrid = HybridDrafter(DSparkDrafter(tiny_dspark(target)), V, min_ngram=3)
+    lengths = []
+    inner = hybrid.propose
+
+    def counted(requests, max_tokens):
+        block = inner(requests, max_tokens)
+        lengths.extend(int(n) for n, r in zip(block.num_tokens, requests) if r.hybrid_state.last[0] != "model")
+        return block
+
+    hybrid.propose = counted
+    if mutant == "misplaced-one-hot":
+        _misplacing(hybrid)
+    elif mutant == "uniform-lookup-probs":
+        wrapped = hybrid.propose
+
+        def uniform(requests, max_tokens):
+            block = wrapped(requests, max_tokens)
+            block.draft_probs[block.draft_probs.amax(-1) == 1.0] = 1.0 / V
+            return block
+
+        hybrid.propose = uniform
+    n = 6000
+    sp = [SamplingParams(temperature=1.0, max_new_tokens=4, seed=i) for i in range(n)]
+    out = SpeculativeGenerator(target, hybrid).generate([prompt] * n, sp)
+    pairs = torch.tensor([r.output_ids[1] * V + r.output_ids[2] for r in out])
+    fit = goodness_of_fit(pairs, _joint_of_drafted_tokens(target, prompt, V))
+    assert hybrid.short_lookup_steps > 0.5 * n  # short matches dominate
+    assert sum(k >= 2 for k in lengths) > 0.5 * n  # and draft two tokens
+    if mutant:
+        assert not fit.passes and fit.p_value < 1e-9, fit
+    else:
+        assert fit.passes, fit

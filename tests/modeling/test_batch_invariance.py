@@ -81,12 +81,36 @@ needs_bf16 = pytest.mark.skipif(not cpu_has_bf16_matmul(), reason="this CPU has 
                                 "(AVX512-BF16 / AMX): bf16 decoding is neither fast nor made exact here")
 
 
+def load_invariant_bf16_target():
+    """SmolLM2 in bf16 made batch-invariant. Only called where the CPU multiplies bf16 natively (``needs_bf16``),
+    which is where invariance is promised: there a target that is not invariant is a failure, never a skip
+    (a regression in ``Decoder.batch_invariant`` must not turn the exactness tests below into skips)."""
+    target = load_target("smollm2-135m", dtype=torch.bfloat16, fuse=True, batch_invariant=True)
+    if not target.batch_invariant:
+        pytest.fail(f"this CPU multiplies bf16 natively, yet a one-token step and a verify block still differ by "
+                    f"{target.step_block_gap():.3g} in a logit after make_batch_invariant()")
+    return target
+
+
 @pytest.fixture(scope="module")
 def smollm2_bf16():
-    target = load_target("smollm2-135m", dtype=torch.bfloat16, fuse=True, batch_invariant=True)
-    if not target.batch_invariant:  # load_target warned; a backend whose kernels we have not made invariant
-        pytest.skip("this CPU's bf16 kernels still round a one-token step and a verify block differently")
-    return target
+    return load_invariant_bf16_target()
+
+
+@pytest.mark.slow
+@needs_bf16
+def test_negative_control_a_target_that_loses_invariance_fails_not_skips(monkeypatch):
+    """The mutant: make_batch_invariant no longer pads lone rows (the flag is never set). The fixture above
+    must then fail the tests (pytest's Failed), not skip them."""
+    from dspark.target import model as target_model
+
+    def broken(self):
+        self.batch_invariant = self.batch_invariance_holds()  # measured, but nothing was made invariant
+        return self.batch_invariant
+
+    monkeypatch.setattr(target_model.TargetModel, "make_batch_invariant", broken)
+    with pytest.raises(pytest.fail.Exception, match="still differ"):
+        load_invariant_bf16_target()
 
 
 @pytest.mark.slow

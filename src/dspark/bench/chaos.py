@@ -365,8 +365,53 @@ def render(result: dict, command: str) -> str:
     return "\n".join(lines)
 
 
+def limits_section() -> list[str]:
+    """What bounds each user-controlled input and what shutdown does (the values are the code's own)."""
+    from dspark.serving.cli import CPU_MAX_PROMPT_TOKENS
+    from dspark.serving.limits import DEFAULT_MAX_BODY_BYTES
+    from dspark.serving.params import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+    from dspark.serving.shutdown import ABORT_GRACE_S, FORCE_GRACE_S
+
+    return [
+        "## Limits and shutdown", "",
+        "What keeps one request from costing the event loop or the engine more than a moment (each a 400 in "
+        "OpenAI's shape naming the field, tested in `tests/serving/test_bounded_inputs.py`; the Soak section's "
+        "heavy-input table measures /health while each is sent):", "",
+        f"- request body: at most {DEFAULT_MAX_BODY_BYTES} bytes (`--max-body-bytes`), since it is parsed on the "
+        "event loop (JSON holds the GIL); larger bodies get 413 unread;",
+        f"- stop strings: at most {MAX_STOP_STRINGS}, each at most {MAX_STOP_CHARS} characters, matched by a "
+        "Knuth-Morris-Pratt matcher (`serving/text.py`) whose work is linear in the text and the stop strings;",
+        f"- `stop_token_ids`: at most {MAX_STOP_TOKEN_IDS};",
+        "- `chat_template_kwargs`: no key the template call sets itself (`messages`, `tools`, `documents`, "
+        "`add_generation_prompt`, the arguments of `apply_chat_template`, `raise_exception`, `strftime_now`, "
+        "the tokenizer's special tokens): refused with the key named (`prompts.reserved_template_names`);",
+        "- prompts: type-checked and tokenised in a worker thread; a text with more characters than (longest "
+        "token) x (prompt limit), or more messages than the prompt limit, is refused before tokenising; "
+        f"`--max-prompt-tokens` defaults to {CPU_MAX_PROMPT_TOKENS} on a CPU (the model's context on a GPU);",
+        "- `n`, `logit_bias` and the other unsupported fields are refused by value, without work per entry.",
+        "",
+        "On SIGTERM (`serving/shutdown.py`): new requests get 503 (`shutting_down`) at once and /health says "
+        "503, while the listening socket stays open; running and queued requests go on for `--shutdown-timeout` "
+        "seconds; then each remaining stream gets an error event and `data: [DONE]`, each other request a 503 in "
+        f"OpenAI's shape; uvicorn is left nothing to cancel (at most {ABORT_GRACE_S} + {FORCE_GRACE_S} s more) "
+        "and the process exits 0. Tested against a real `dspark serve` in `tests/serving/test_shutdown.py`; "
+        "the Soak section times it.", "",
+        "Memory (`serving/memory.py`, `--malloc-tuning`, on by default): oneDNN's primitive cache (a compiled "
+        "kernel with its buffers per new matmul shape, 1,024 by default) capped at 16, fixed glibc mmap and trim "
+        "thresholds, two malloc arenas, and `malloc_trim` every 64 requests; the Soak section measures RSS "
+        "with them.", "",
+    ]
+
+
 def write_page(result: dict, command: str, path: str | Path) -> Path:
+    """The page; the Soak section a `--soak` run wrote (``chaos_soak``) is kept."""
+    from dspark.bench.chaos_soak import BEGIN, END
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(render(result, command))
+    old = path.read_text() if path.exists() else ""
+    page = render(result, command).rstrip("\n") + "\n\n" + "\n".join(limits_section())
+    if BEGIN in old and END in old:
+        page = page.rstrip("\n") + "\n\n" + BEGIN + old.split(BEGIN, 1)[1].split(END, 1)[0] + END + "\n"
+    path.write_text(page)
     return path

@@ -106,6 +106,24 @@ def corpus(api_key: str, context: int, vocab_size: int, max_body_bytes: int) -> 
     add("out of range", "chat max_tokens over context", {**chat, "max_tokens": context}, CHAT)
     add("out of range", "model unknown", {**base, "model": "gpt-4"})
 
+    # ---- inputs that could cost the event loop or the engine more than a few milliseconds
+    long_stop = min(1_000_000, max_body_bytes - 4096)
+    for name, stop in [("one huge", ["q" * long_stop]), ("four large", ["q" * (long_stop // 5)] * 4),
+                       ("huge str", "q" * long_stop), ("17 strings", [str(i) for i in range(17)]),
+                       ("2049 chars", "a" * 2049)]:
+        add("bounded input", f"stop {name}", {**base, "stop": stop})
+    add("bounded input", "stop_token_ids 100k", {**base, "stop_token_ids": [3] * 100_000})
+    add("bounded input", "n huge", {**base, "n": 10**18})
+    add("bounded input", "logit_bias 50k", {**base, "logit_bias": {str(i): 1 for i in range(50_000)}})
+    add("bounded input", "chat stop huge", {**chat, "stop": ["q" * long_stop]}, CHAT)
+    for key in ("messages", "tools", "documents", "add_generation_prompt", "tokenize", "conversation",
+                "raise_exception", "strftime_now", "bos_token", "eos_token", "continue_final_message"):
+        add("bounded input", f"chat_template_kwargs {key}", {**chat, "chat_template_kwargs": {key: 1}}, CHAT)
+    add("bounded input", "chat_template_kwargs not a dict", {**chat, "chat_template_kwargs": [1]}, CHAT)
+    add("bounded input", "chat_template_kwargs bad name", {**chat, "chat_template_kwargs": {"a b": 1}}, CHAT)
+    add("bounded input", "chat_template_kwargs many", {**chat, "chat_template_kwargs": {f"k{i}": i for i in
+                                                                                       range(20_000)}}, CHAT)
+
     # ---- OpenAI features the server refuses
     for fld, v in [("logprobs", 3), ("top_logprobs", 2), ("presence_penalty", 0.5), ("frequency_penalty", -1),
                    ("logit_bias", {"5": 10}), ("echo", True), ("best_of", 3), ("suffix", "end")]:

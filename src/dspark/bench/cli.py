@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import shlex
+import tempfile
 import sys
 from pathlib import Path
 
@@ -143,11 +144,25 @@ def add_chaos(bench: argparse._SubParsersAction) -> None:
     b.add_argument("--threads", type=int, default=argparse.SUPPRESS,
                    help="torch CPU threads (default: the global --threads, else torch's choice)")
     b.add_argument("--doc", default="docs/reliability.md", help="(default: %(default)s)")
+    b.add_argument("--soak", type=int, default=None, metavar="N",
+                   help="instead: a soak of N mixed requests (lengths, concurrency, streaming, cancellation, bad "
+                   "input) against a `dspark serve` process, its RSS sampled, then SIGTERM with streams in flight; "
+                   "writes the Soak section of --doc. Example: dspark bench chaos --soak 5000 --target smollm2-135m "
+                   "--threads 1")
+    b.add_argument("--soak-block", type=int, default=100, metavar="N",
+                   help="requests per concurrency level; RSS is read after each (default: %(default)s)")
+    b.add_argument("--soak-serve-args", default="", metavar="'FLAGS'",
+                   help="more `dspark serve` flags for the soaked server, e.g. '--dtype bfloat16'")
+    b.add_argument("--soak-env", action="append", default=[], metavar="KEY=VALUE",
+                   help="environment of the soaked server (e.g. MALLOC_ARENA_MAX=8 to compare allocator settings)")
     b.set_defaults(func=_bench_chaos)
 
 
 def _bench_chaos(args: argparse.Namespace) -> int:
     from dspark.bench.chaos import ChaosConfig, run_chaos, write_page
+
+    if args.soak is not None:
+        return _bench_soak(args)
 
     if min(args.clients, args.slow_connections, args.prefill_chunk, args.long_prompt_tokens, args.hol_trials) < 1:
         raise DSparkError("--clients, --slow-connections, --prefill-chunk, --long-prompt-tokens and --hol-trials "
@@ -162,6 +177,28 @@ def _bench_chaos(args: argparse.Namespace) -> int:
     path = write_page(result, _command_line("chaos"), args.doc)
     print(path.read_text())
     print(f"wrote {path}")
+    return 0
+
+
+def _bench_soak(args: argparse.Namespace) -> int:
+    from dspark.bench.chaos_soak import SoakConfig, run_soak, write_soak_section
+
+    if args.soak < 1 or args.soak_block < 1:
+        raise DSparkError("--soak and --soak-block must be >= 1")
+    env = dict(kv.split("=", 1) for kv in args.soak_env if "=" in kv)
+    if len(env) != len(args.soak_env):
+        raise DSparkError("--soak-env takes KEY=VALUE")
+    target = "smollm2-135m" if args.target == "tiny" else args.target  # a server process needs a real folder
+    cfg = SoakConfig(target=target, drafter=args.drafter, requests=args.soak, block=args.soak_block,
+                     threads=getattr(args, "threads", None) or 1, env=env,
+                     serve_args=shlex.split(args.soak_serve_args),
+                     progress_path=str(Path(tempfile.gettempdir()) / f"dspark-soak-progress-{os.getpid()}.json"))
+    log_path = Path(tempfile.gettempdir()) / f"dspark-soak-serve-{os.getpid()}.log"
+    Path(args.doc).parent.mkdir(parents=True, exist_ok=True)
+    result = run_soak(cfg, log_path, lambda msg: print(msg, file=sys.stderr, flush=True))
+    Path(args.doc).with_suffix(".soak.json").write_text(json.dumps(result, indent=1))
+    path = write_soak_section(result, _command_line("chaos"), args.doc)
+    print(f"wrote {path} (server log {log_path})")
     return 0
 
 

@@ -7,11 +7,17 @@ starts the same server per verify policy.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 
 from dspark.target.presets import DEFAULT_TARGET
 from dspark.drafters.options import DraftingOptions, add_drafter_options, add_target_options, load_target_from_args
+
+# --max-prompt-tokens on a CPU: SmolLM2-135M prefilled an 8,190-token prompt in 48 s on one busy core, so
+# half that is the most a client should wait for (docs/reliability.md)
+CPU_MAX_PROMPT_TOKENS = 4096
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024  # = serving.limits.DEFAULT_MAX_BODY_BYTES (not imported: start-up time)
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -60,20 +66,26 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: $DSPARK_API_KEY)")
     p.add_argument("--log-level", default="info", help="uvicorn log level (default: %(default)s)")
-    p.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024, metavar="N",
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
                    help="larger request bodies get 413 before they are read (default: %(default)s)")
     p.add_argument("--max-prompt-tokens", type=int, default=None, metavar="N",
-                   help="longer prompts get 400 (default: the model's context)")
+                   help="longer prompts get 400 (default: the model's context on a GPU; on a CPU at most "
+                   f"{CPU_MAX_PROMPT_TOKENS}, whose prefill takes tens of seconds on one core)")
     p.add_argument("--max-connections", type=int, default=1024, metavar="N",
                    help="concurrent connections; beyond them uvicorn answers 503 (default: %(default)s)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
-                   help="on SIGTERM, seconds to let in-flight requests finish before closing them "
+                   help="on SIGTERM: new requests get 503 at once, running and queued ones may finish for S "
+                   "seconds, then each stream ends with an error event and [DONE], each other request with a 503 "
                    "(default: %(default)s)")
     p.add_argument("--keep-alive-timeout", type=float, default=5.0, metavar="S",
                    help="close idle keep-alive connections after S seconds (default: %(default)s)")
     p.add_argument("--header-timeout", type=float, default=10.0, metavar="S",
                    help="close a connection whose request head has not arrived S seconds after it opened or "
                    "after its last response (slowloris) (default: %(default)s)")
+    p.add_argument("--malloc-tuning", action=argparse.BooleanOptionalAction, default=True,
+                   help="memory settings for a long run: oneDNN's kernel cache capped at 16 shapes, and glibc "
+                   "with fixed mmap/trim thresholds, 2 arenas and free heap pages returned every 64 requests, "
+                   "which lower RSS over a long run (docs/reliability.md, Soak) (default: on)")
     p.add_argument("--prefill-chunk", type=int, default=256, metavar="N",
                    help="prompt tokens prefilled between two decode steps, so a long prompt delays the other "
                    "streams by one chunk at most; 0 prefills whole prompts (default: %(default)s)")
@@ -104,14 +116,22 @@ def _serve(args: argparse.Namespace) -> int:
     from dspark.serving.limits import uvicorn_limits
     from dspark.serving.params import SamplingDefaults
     from dspark.serving.server import ServerConfig, create_app
+    from dspark.serving.shutdown import DrainingServer
 
-    if args.prefill_chunk < 0 or args.header_timeout <= 0:
-        raise DSparkError("--prefill-chunk must be >= 0 and --header-timeout > 0")
+    if args.prefill_chunk < 0 or args.header_timeout <= 0 or args.shutdown_timeout < 0:
+        raise DSparkError("--prefill-chunk and --shutdown-timeout must be >= 0 and --header-timeout > 0")
+    if args.max_prompt_tokens is not None and args.max_prompt_tokens < 1:
+        raise DSparkError(f"--max-prompt-tokens must be >= 1, got {args.max_prompt_tokens}")
     if args.default_max_tokens is not None and args.default_max_tokens < 1:
         raise DSparkError(f"--default-max-tokens must be >= 1, got {args.default_max_tokens}")
     if args.generation_config not in ("auto", "vllm") and not os.path.isdir(args.generation_config):
         raise DSparkError(f"--generation-config {args.generation_config!r} is not auto, vllm or a folder")
     spec = parse_policy(args.policy)
+    if args.malloc_tuning:  # before the model is loaded: its tensors and every later one follow the settings
+        from dspark.serving.memory import cap_onednn_cache, tune_malloc
+
+        cap_onednn_cache()
+        tune_malloc()
     set_threads(args.threads)
     target = load_target_from_args(args)
     if target.tokenizer is None:
@@ -129,12 +149,26 @@ def _serve(args: argparse.Namespace) -> int:
     source = {"auto": target.path, "vllm": None}.get(args.generation_config, args.generation_config)
     config = ServerConfig(model_name=args.served_model_name or args.target, api_key=api_key,
                           default_max_tokens=args.default_max_tokens, max_body_bytes=args.max_body_bytes,
-                          max_prompt_tokens=args.max_prompt_tokens,
+                          max_prompt_tokens=default_max_prompt_tokens(args.max_prompt_tokens, target),
+                          shutdown_timeout_s=args.shutdown_timeout, malloc_trim_every=64 if args.malloc_tuning else 0,
                           sampling_defaults=SamplingDefaults.from_folder(source))
     app = create_app(engine, target.tokenizer, config)
     print(f"[dspark] serving {config.model_name} with drafter {args.drafter}, policy {policy.name} on "
           f"http://{args.host}:{args.port}/v1{' (API key required)' if api_key else ''}", file=sys.stderr)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                **uvicorn_limits(args.max_connections, args.shutdown_timeout, args.keep_alive_timeout,
-                                 args.header_timeout))
-    return 0
+    DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                  **uvicorn_limits(args.max_connections, args.keep_alive_timeout,
+                                                   args.header_timeout))).run()
+    # Everything is closed and every client answered. Interpreter teardown with torch and a tokenizer loaded
+    # takes ~3 s more here (in C, after main returns), which would break the exit-within-timeout + 2 s
+    # promise of --shutdown-timeout, so end the process now.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def default_max_prompt_tokens(given: int | None, target) -> int | None:
+    """--max-prompt-tokens: as given; else none on a GPU, and CPU_MAX_PROMPT_TOKENS on a CPU."""
+    if given is not None or target.device.type != "cpu":
+        return given
+    return min(CPU_MAX_PROMPT_TOKENS, target.max_context)

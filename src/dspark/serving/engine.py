@@ -115,12 +115,14 @@ class RequestHandle:
         self._squeue: queue.Queue[StreamEvent] | None = queue.Queue() if loop is None else None
         self._cancel_reason: str | None = None
         self._done = False
+        self._emit_lock = threading.Lock()  # abort() emits from the caller's thread, the engine from its own
 
     # -------------------------------------------------------- engine side
     def _emit(self, event: StreamEvent) -> None:
-        if self._done:
-            return
-        self._done = event.finished
+        with self._emit_lock:
+            if self._done:
+                return
+            self._done = event.finished
         if self._squeue is not None:
             self._squeue.put(event)
             return
@@ -144,6 +146,12 @@ class RequestHandle:
         if self._cancel_reason is None:
             self._cancel_reason = reason
             self._engine._on_cancel(self)
+
+    def abort(self, message: str) -> None:
+        """End the stream now with finish_reason "abort" and ``message`` (the server's shutdown), without
+        waiting for the engine's next step boundary; the engine frees the slot at that boundary."""
+        self.cancel("abort")
+        self._emit(StreamEvent([], "abort", message))
 
     async def stream(self) -> AsyncIterator[StreamEvent]:
         """Events until the finishing one (needs ``submit(..., loop=...)``)."""

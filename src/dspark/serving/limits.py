@@ -15,7 +15,9 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from dspark.serving.protocol import SafeJSON, error_body
 
-DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024  # a 6,000-token prompt is ~30 kB of JSON
+# a 6,000-token prompt is ~30 kB of JSON, a 128k-token one under 1 MB; the body is parsed on the event loop
+# (json holds the GIL), about 0.1 s per MB here, so this bounds the stall one request can cause
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_HEADER_TIMEOUT_S = 10.0
 
 
@@ -92,12 +94,14 @@ class GuardedH11(H11Protocol):
         self.transport.close()
 
 
-def uvicorn_limits(max_connections: int | None = 1024, shutdown_timeout_s: float = 30.0,
-                   keep_alive_timeout_s: float = 5.0, header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
-                   ) -> dict[str, Any]:
+def uvicorn_limits(max_connections: int | None = 1024, keep_alive_timeout_s: float = 5.0,
+                   header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S) -> dict[str, Any]:
     """uvicorn settings that keep one client from holding the server: a cap on concurrent connections
-    (beyond it uvicorn answers 503), how long shutdown waits for in-flight streams before closing them,
-    how long an idle keep-alive connection is kept, and how long a request head may take to arrive."""
+    (beyond it uvicorn answers 503), how long an idle keep-alive connection is kept, and how long a request
+    head may take to arrive. How long shutdown lets requests run is the app's (``ServerConfig``,
+    ``shutdown.Drain``); uvicorn's own graceful timeout only covers what is left after that drain."""
+    from dspark.serving.shutdown import FORCE_GRACE_S
+
     protocol = type("GuardedH11", (GuardedH11,), {"header_timeout_s": header_timeout_s})
-    return {"limit_concurrency": max_connections, "timeout_graceful_shutdown": shutdown_timeout_s,
+    return {"limit_concurrency": max_connections, "timeout_graceful_shutdown": FORCE_GRACE_S,
             "timeout_keep_alive": keep_alive_timeout_s, "http": protocol}

@@ -20,7 +20,9 @@ from dspark.serving.protocol import APIError, SamplingFields, check_text
 log = logging.getLogger("dspark.serving")
 
 MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
-MAX_STOP_STRINGS = 16
+MAX_STOP_STRINGS = 16  # OpenAI allows 4; vLLM has no cap
+MAX_STOP_CHARS = 2048  # per stop string: its matcher's table is built on the event loop
+MAX_STOP_TOKEN_IDS = 1024  # stop_token_ids entries: the engine checks each committed token against them
 # generation_config.json keys vLLM reads as sampling defaults that this server cannot apply
 _UNAPPLIED = {"repetition_penalty": 1.0, "min_p": 0.0}
 
@@ -96,6 +98,9 @@ def sampling_params(req: SamplingFields, prompt_len: int, max_tokens: int | None
                        f"max_tokens can be at most {room} (got {max_tokens})", param="max_tokens",
                        code="context_length_exceeded")
     stop_ids = list(req.stop_token_ids or [])
+    if len(stop_ids) > MAX_STOP_TOKEN_IDS:
+        raise APIError(400, f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are supported, got {len(stop_ids)}",
+                       param="stop_token_ids")
     bad = [t for t in stop_ids if not 0 <= t < budget.vocab_size]
     if bad:
         raise APIError(400, f"stop_token_ids {bad[:5]} are outside the vocabulary", param="stop_token_ids")
@@ -104,10 +109,17 @@ def sampling_params(req: SamplingFields, prompt_len: int, max_tokens: int | None
 
 
 def stop_strings(req: SamplingFields) -> list[str]:
+    """The request's stop strings, or 400 naming the limit they break (count, then length, then Unicode)."""
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    check_text(stops, "stop")
     if len(stops) > MAX_STOP_STRINGS:
-        raise APIError(400, f"at most {MAX_STOP_STRINGS} stop strings are supported", param="stop")
+        raise APIError(400, f"at most {MAX_STOP_STRINGS} stop strings are supported, got {len(stops)}",
+                       param="stop", code="too_many_stop_strings")
+    for i, s in enumerate(stops):
+        if len(s) > MAX_STOP_CHARS:
+            raise APIError(400, f"stop[{i}] has {len(s)} characters; a stop string may have at most "
+                           f"{MAX_STOP_CHARS}", param=f"stop[{i}]" if isinstance(req.stop, list) else "stop",
+                           code="stop_string_too_long")
+    check_text(stops, "stop")
     return stops
 
 

@@ -50,7 +50,8 @@ def check_text(value: Any, param: str) -> None:
                            param=param) from None
     elif isinstance(value, list):
         for i, item in enumerate(value):
-            check_text(item, f"{param}[{i}]")
+            if isinstance(item, (str, list, dict)):  # not for each id of a long token-id prompt
+                check_text(item, f"{param}[{i}]")
     elif isinstance(value, dict):
         for key, item in value.items():
             check_text(item, f"{param}.{key}")
@@ -159,7 +160,9 @@ class SamplingFields(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    # str | list[str] | list[int] | list[list[int]], checked by ``prompt_value`` in a worker thread: pydantic's
+    # union validation of a 1.4M-id list costs 2 s on the event loop (it collects an error per id for list[str])
+    prompt: Any
     add_special_tokens: bool = True  # vLLM extension: BOS etc. added to a text prompt
 
     UNSUPPORTED: ClassVar[dict[str, Any]] = COMPLETION_UNSUPPORTED
@@ -175,6 +178,35 @@ class ChatCompletionRequest(SamplingFields):
     add_special_tokens: bool = False  # BOS etc. on top of what the template writes
 
     UNSUPPORTED: ClassVar[dict[str, Any]] = CHAT_UNSUPPORTED
+
+
+def _is_id(x: Any) -> bool:
+    return type(x) is int
+
+
+def prompt_value(prompt: Any) -> str | list[int]:
+    """The one prompt of a completion request (a string or token ids), or 400: str | list[str] | list[int] |
+    list[list[int]], a list of prompts holding exactly one."""
+    def bad(what: str) -> APIError:
+        return APIError(400, f"invalid request: prompt: {what}; send a string, a list of token ids, or a list "
+                        "holding one of those", param="prompt")
+
+    if isinstance(prompt, str):
+        return prompt
+    if not isinstance(prompt, list):
+        raise bad(f"a {type(prompt).__name__} is not a prompt")
+    if not prompt:
+        return []
+    if all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt):
+        if len(prompt) != 1:
+            raise APIError(400, f"send one prompt per request (got {len(prompt)})", param="prompt")
+        inner = prompt[0]
+        if isinstance(inner, list) and not all(map(_is_id, inner)):
+            raise bad("a token-id list holds something other than integers")
+        return inner
+    if not all(map(_is_id, prompt)):
+        raise bad("a list mixing token ids with other values")
+    return prompt
 
 
 STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")

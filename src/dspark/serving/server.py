@@ -31,7 +31,15 @@ over ``max_prompt_tokens`` get 400, text that is not valid Unicode (a lone
 UTF-16 surrogate) gets 400, and anything unexpected a JSON 500 in OpenAI's
 shape, never a text/plain traceback. Connections whose request head does not
 arrive within the header timeout are closed (``limits.GuardedH11``), and the
-engine prefills long prompts in chunks between decode steps.
+engine prefills long prompts in chunks between decode steps. Stop strings are
+bounded in count and length and matched in linear time (``text.StopMatcher``);
+``chat_template_kwargs`` may not name what the template call sets itself
+(``prompts.reserved_template_names``); a text prompt too long to fit is refused
+before it is tokenised.
+
+Shutdown (``shutdown``): new requests get 503 at once, running ones go on until
+``shutdown_timeout_s``, then every stream ends with an error event and
+``data: [DONE]`` and every other request with a 503, all in OpenAI's shape.
 """
 
 from __future__ import annotations
@@ -56,18 +64,24 @@ from dspark.errors import PromptError
 from dspark.sampling.processing import SamplingParams
 from dspark.serving.engine import Engine, EngineClosedError, QueueFullError, RequestHandle
 from dspark.serving.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit, uvicorn_limits
+from dspark.serving.memory import Trimmer
 from dspark.serving.metrics import CONTENT_TYPE, ServerMetrics
 from dspark.serving.params import ContextBudget, SamplingDefaults, sampling_params, stop_strings, truncate_prompt
 from dspark.serving.prompts import encode_messages, encode_prompt
+from dspark.serving.shutdown import SHUTTING_DOWN, Drain, DrainGate, DrainingServer
 from dspark.serving.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
     SamplingFields,
     check_text,
+    error_body,
     refuse_unsupported,
 )
 from dspark.serving.text import TextStream
+
+
+ENGINE_STOP_S = 0.25  # at shutdown, how long to wait for the engine thread's last step (a daemon thread)
 
 
 @dataclass
@@ -78,6 +92,8 @@ class ServerConfig:
     sampling_defaults: SamplingDefaults | None = None  # None: the target folder's generation_config.json
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get 413 unread
     max_prompt_tokens: int | None = None  # longer prompts get 400 (None: the model's context)
+    shutdown_timeout_s: float = 30.0  # on shutdown, how long running requests may go on (``shutdown``)
+    malloc_trim_every: int = 0  # return free heap pages to the system every N requests (``memory``; 0: never)
 
 
 # =============================================================== the app
@@ -89,11 +105,13 @@ def create_app(engine: Engine, tokenizer, config: ServerConfig, manage_engine: b
         if manage_engine:
             engine.start()
         yield
-        if manage_engine:
-            await asyncio.to_thread(engine.stop)
+        if manage_engine:  # the drain has ended every request: the engine thread only has to finish its step
+            await asyncio.to_thread(engine.stop, ENGINE_STOP_S)
 
     app = FastAPI(title="dspark", lifespan=lifespan)
+    drain = app.state.drain = Drain(config.shutdown_timeout_s)
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
+    app.add_middleware(DrainGate, drain=drain)  # outermost: a draining server answers 503 before reading a body
     max_context = engine.target.max_context
     budget = ContextBudget(max_context, min(config.max_prompt_tokens or max_context, max_context),
                            engine.target.vocab_size, config.default_max_tokens)
@@ -101,6 +119,7 @@ def create_app(engine: Engine, tokenizer, config: ServerConfig, manage_engine: b
     if defaults is None:
         defaults = SamplingDefaults.from_folder(engine.target.path)
     metrics = ServerMetrics(engine.stats, config.model_name, max_context)
+    trimmer = Trimmer(config.malloc_trim_every)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, err: APIError):
@@ -139,8 +158,12 @@ def create_app(engine: Engine, tokenizer, config: ServerConfig, manage_engine: b
                            param="model", code="model_not_found")
 
     def submit(prompt_ids: list[int], sampling: SamplingParams) -> RequestHandle:
+        if drain.draining:  # it arrived before the drain began, and was tokenised since
+            raise APIError(503, SHUTTING_DOWN, "server_error", code="shutting_down")
         try:
-            return engine.submit(prompt_ids, sampling, loop=asyncio.get_running_loop())
+            handle = engine.submit(prompt_ids, sampling, loop=asyncio.get_running_loop())
+            drain.handles.add(handle)
+            return handle
         except QueueFullError as err:
             raise APIError(429, str(err), "rate_limit_error", code="queue_full") from None
         except EngineClosedError as err:
@@ -163,9 +186,10 @@ def create_app(engine: Engine, tokenizer, config: ServerConfig, manage_engine: b
         last = None  # when the previous tokens arrived
         try:
             async for event in handle.stream():
-                if event.finish_reason in ("error", "abort", "cancelled"):
-                    raise APIError(503 if event.finish_reason == "abort" else 500,
-                                   event.error or f"generation ended: {event.finish_reason}", "server_error")
+                if event.finish_reason == "abort":  # the engine or the server is shutting down
+                    raise APIError(503, event.error or SHUTTING_DOWN, "server_error", code="shutting_down")
+                if event.finish_reason in ("error", "cancelled"):
+                    raise APIError(500, event.error or f"generation ended: {event.finish_reason}", "server_error")
                 if event.token_ids:
                     now = time.perf_counter()
                     if last is None:
@@ -185,10 +209,12 @@ def create_app(engine: Engine, tokenizer, config: ServerConfig, manage_engine: b
                     yield delta, None
         finally:
             watcher.cancel()
+            drain.handles.discard(handle)
             if not handle.done:
                 handle.cancel()
             metrics.request_done(time.perf_counter() - arrival, len(handle.prompt_ids), text.num_tokens,
                                  handle.stats)
+            trimmer.done()
 
     def usage(prompt_len: int, text: TextStream) -> dict[str, int]:
         n = text.num_tokens
@@ -244,7 +270,7 @@ def create_app(engine: Engine, tokenizer, config: ServerConfig, manage_engine: b
                     if include_usage:
                         yield sse({**head, "choices": [], "usage": usage(len(prompt_ids), text)})
                 except APIError as err:
-                    yield sse({"error": {"message": err.message, "type": err.type, "code": err.code}})
+                    yield sse(error_body(err.status, err.message, err.type, err.param, err.code))
                 yield "data: [DONE]\n\n"
 
             return StreamingResponse(events(), media_type="text/event-stream",
@@ -271,7 +297,7 @@ def create_app(engine: Engine, tokenizer, config: ServerConfig, manage_engine: b
     async def completions(req: CompletionRequest, request: Request):
         arrival = time.perf_counter()
         check_request(req)
-        prompt_ids = await asyncio.to_thread(encode_prompt, tokenizer, req)
+        prompt_ids = await asyncio.to_thread(encode_prompt, tokenizer, req, budget.max_prompt)
         return await respond(request, req, prompt_ids, req.max_tokens, False, arrival)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(check_auth)])
@@ -279,7 +305,7 @@ def create_app(engine: Engine, tokenizer, config: ServerConfig, manage_engine: b
         arrival = time.perf_counter()
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         check_request(req)
-        prompt_ids = await asyncio.to_thread(encode_messages, tokenizer, req)
+        prompt_ids = await asyncio.to_thread(encode_messages, tokenizer, req, budget.max_prompt)
         return await respond(request, req, prompt_ids, max_tokens, True, arrival)
 
     @app.get("/v1/models", dependencies=[Depends(check_auth)])
@@ -290,6 +316,8 @@ def create_app(engine: Engine, tokenizer, config: ServerConfig, manage_engine: b
 
     @app.get("/health")
     async def health():
+        if drain.draining:
+            raise APIError(503, SHUTTING_DOWN, "server_error", code="shutting_down")
         if not engine.running:
             raise APIError(503, "the engine is not running", "server_error")
         return {"status": "ok"}
@@ -309,7 +337,7 @@ class ServerThread:
                  **limits: Any) -> None:
         import uvicorn
 
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+        self.server = DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                                     lifespan="on", **{**uvicorn_limits(), **limits}))
         self.host = host
         self.port = port

@@ -71,6 +71,43 @@ class IncrementalDecoder:
         return self._decode(self.ids[:count]).rstrip(_REPLACEMENT)
 
 
+class StopMatcher:
+    """Where one stop string first appears in a growing text (Knuth-Morris-Pratt).
+
+    ``partial`` is the length of the longest end of the text read so far that is a start of the stop
+    string: the characters a stream must hold back. Each character costs amortised O(1), the table
+    O(len(stop)) once, so a long stop string costs linear time, never len(text) x len(stop).
+    """
+
+    def __init__(self, stop: str) -> None:
+        self.stop = stop
+        self.partial = 0
+        fail = [0] * len(stop)  # fail[i]: longest proper border of stop[: i + 1]
+        k = 0
+        for i in range(1, len(stop)):
+            while k and stop[i] != stop[k]:
+                k = fail[k - 1]
+            if stop[i] == stop[k]:
+                k += 1
+            fail[i] = k
+        self._fail = fail
+
+    def feed(self, text: str, start: int) -> int:
+        """Read ``text[start:]``; the index where the stop string begins if it is now complete, else -1."""
+        stop, fail, k = self.stop, self._fail, self.partial
+        for i in range(start, len(text)):
+            c = text[i]
+            while k and c != stop[k]:
+                k = fail[k - 1]
+            if c == stop[k]:
+                k += 1
+            if k == len(stop):
+                self.partial = k
+                return i + 1 - k
+        self.partial = k
+        return -1
+
+
 class TextStream:
     """The text of one generation, cut at the first stop string.
 
@@ -84,6 +121,7 @@ class TextStream:
                  include_stop: bool = False) -> None:
         self.decoder = IncrementalDecoder(tokenizer, skip_special_tokens)
         self.stop = [s for s in stop if s]
+        self._matchers = [StopMatcher(s) for s in self.stop]
         self.include_stop = include_stop
         self.text = ""  # decoded so far (append-only)
         self.ends: list[int] = []  # len(self.text) after each token
@@ -110,11 +148,13 @@ class TextStream:
         """New text after ``token_ids``; sets ``stopped`` when a stop string appeared."""
         if self.stopped:
             return ""
+        start = len(self.text)
         for t in token_ids:
             self.text += self.decoder.step(t)
             self.ends.append(len(self.text))
         text = self.text
-        hits = [(i, s) for i, s in ((text.find(s, max(0, self.sent - len(s) + 1)), s) for s in self.stop) if i >= 0]
+        # each matcher reads only the new characters: linear in the text and the stop strings together
+        hits = [(i, m.stop) for i, m in ((m.feed(text, start), m) for m in self._matchers) if i >= 0]
         if hits:
             where, stop = min(hits, key=lambda h: h[0])
             cut = max(where + len(stop) if self.include_stop else where, self.sent)
@@ -122,9 +162,7 @@ class TextStream:
             out, self.sent = text[self.sent : cut], cut
             self._stop_tokens = self._covering(cut)
             return out
-        hold = 0  # the longest end of the text that may grow into a stop string
-        for s in self.stop:
-            hold = max(hold, next((k for k in range(len(s) - 1, 0, -1) if text.endswith(s[:k])), 0))
+        hold = max((m.partial for m in self._matchers), default=0)  # the end that may grow into a stop string
         safe = len(text) - hold
         if safe <= self.sent:
             return ""
