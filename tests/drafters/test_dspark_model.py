@@ -164,14 +164,24 @@ TARGETS = {
 }
 
 
+EXTRA_VARIANTS = {
+    "dspark-2-layers": lambda t: tiny_dspark(t, num_draft_layers=2),
+    "dspark-qwen3-layer": lambda t: tiny_dspark(t, draft_layer="qwen3"),  # Qwen3-shaped whatever the target
+    "dflash-anchor-plus-k": lambda t: tiny_dflash(t, slot_offset=1, draft_layer="qwen3"),  # vLLM's DFlash
+    "dspark-anchor-plus-k": lambda t: tiny_dspark(t, slot_offset=1),
+    "dspark-rnn-anchor-plus-k": lambda t: tiny_dspark(t, slot_offset=1, markov_head_type="rnn"),
+}
+
+
 @pytest.mark.parametrize("arch", list(TARGETS))
-@pytest.mark.parametrize("variant", [*VARIANTS, "dspark-2-layers"])
+@pytest.mark.parametrize("variant", [*VARIANTS, *EXTRA_VARIANTS])
 def test_training_forward_matches_propose_distributions(arch, variant):
     """Teacher-forced training logits on prompt+drafts equal the distributions propose sampled from."""
     tiny = tiny_target(**TARGETS[arch])
-    model = tiny_dspark(tiny, num_draft_layers=2) if variant == "dspark-2-layers" else VARIANTS[variant](tiny)
+    model = {**VARIANTS, **EXTRA_VARIANTS}[variant](tiny)
     drafter = DSparkDrafter(model)
-    G = model.config.block_size
+    s = model.config.slot_offset  # draft k comes from slot k + s
+    G = model.config.num_drafts
     prompt = random_tokens(9, seed=5)
     req = request_after(tiny, prompt, LAYER_IDS, SamplingParams(temperature=1.0, seed=1))
     block = drafter.propose([req], [G])
@@ -180,11 +190,13 @@ def test_training_forward_matches_propose_distributions(arch, variant):
     sample = sample_for(tiny, prompt + drafts, LAYER_IDS)
     anchor = torch.tensor([len(prompt) - 1])
     out = model.block_outputs(sample, anchor)
-    assert out.blocks.labels[0].tolist() == drafts  # slot k predicts anchor + k + 1
-    train_probs = torch.softmax(model.draft_logits(out.hidden, out.latents)[0], dim=-1)  # (G, V)
+    assert out.blocks.labels[0, s:].tolist() == drafts  # slot k predicts anchor + k + 1 - s
+    assert bool(out.blocks.eval_mask[0, s:].all()) and not bool(out.blocks.eval_mask[0, :s].any())
+    latents = None if out.latents is None else out.latents[:, s:]
+    train_probs = torch.softmax(model.draft_logits(out.hidden[:, s:], latents)[0], dim=-1)  # (G, V)
     assert torch.allclose(train_probs, block.draft_probs[0], atol=1e-5)
     if model.confidence_head is not None:
-        assert torch.allclose(out.confidence_logits[0], block.confidence_logits[0], atol=1e-4)
+        assert torch.allclose(out.confidence_logits[0, s:], block.confidence_logits[0], atol=1e-4)
     else:
         assert block.confidence_logits is None
 

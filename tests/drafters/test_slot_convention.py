@@ -9,7 +9,9 @@ import json
 import pytest
 import torch
 
+from dspark.drafters.dspark.blocks import build_blocks
 from dspark.drafters.dspark.config import slot_offset_of
+from dspark.drafters.dspark.loss import DSparkLoss
 from dspark.drafters.dspark.drafter import DSparkDrafter
 from dspark.drafters.dspark.model import DSparkModel
 from dspark.errors import ModelLoadError
@@ -70,14 +72,40 @@ def test_anchor_plus_k_checkpoint_drafts_from_slots_1_on(tiny, tmp_path, make):
     assert not torch.allclose(wrong, block.draft_probs[0], atol=1e-2)
 
 
-def test_converted_checkpoint_neither_trains_nor_saves(tiny, tmp_path):
-    tiny_dflash(tiny).save_checkpoint(tmp_path / "c")
-    _rewrite(tmp_path / "c", speculators_model_type="dspark")
-    model = DSparkModel.from_checkpoint(tmp_path / "c", tiny)
-    with pytest.raises(ValueError, match="anchor \\+ k"):
-        model(sample_for(tiny, random_tokens(12, seed=1), LAYER_IDS))
-    with pytest.raises(ValueError, match="anchor \\+ k"):
-        model.save_checkpoint(tmp_path / "again")
+def test_anchor_plus_k_blocks_supervise_slot_k_with_anchor_plus_k():
+    """slot_offset 1: slot k's label is the token at anchor + k, scored against the target's state at
+    anchor + k - 1; slot 0 is never supervised. The same call with slot_offset 0 is DeepSpec's (anchor + k + 1)."""
+    ids = torch.arange(100, 120)
+    mask = torch.ones(20, dtype=torch.long)
+    anchors = torch.tensor([3, 10])
+    ours = build_blocks(ids, mask, anchors, 4, 99, slot_offset=1)
+    deepspec = build_blocks(ids, mask, anchors, 4, 99)
+    assert ours.labels[:, 1:].tolist() == [[104, 105, 106], [111, 112, 113]]
+    assert deepspec.labels[:, :3].tolist() == [[104, 105, 106], [111, 112, 113]]  # one slot earlier
+    assert ours.eval_mask[:, 0].tolist() == [False, False] and ours.eval_mask[:, 1:].all()
+    assert ours.target_index[:, 1:].tolist() == [[3, 4, 5], [10, 11, 12]]
+    assert ours.prev_tokens[:, 1].tolist() == [103, 110]  # draft 0's previous token is the anchor
+    assert torch.equal(ours.block_ids, deepspec.block_ids) and torch.equal(ours.positions, deepspec.positions)
+    end = build_blocks(ids, mask, torch.tensor([17]), 4, 99, slot_offset=1)  # labels run past the sequence
+    assert end.eval_mask[0].tolist() == [False, True, True, False]
+
+
+@pytest.mark.parametrize("make", [tiny_dflash, tiny_dspark])
+def test_anchor_plus_k_drafter_trains_and_saves_as_dflash_draft_model(tiny, tmp_path, make):
+    model = make(tiny, slot_offset=1)
+    sample = sample_for(tiny, random_tokens(16, seed=4), LAYER_IDS)
+    outputs = model(sample, torch.Generator().manual_seed(0))
+    loss, metrics = DSparkLoss(model.config)(model, outputs, sample)
+    loss.backward()
+    assert torch.isfinite(loss) and "acc@0" in metrics and f"acc@{model.config.block_size - 1}" not in metrics
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.trainable_parameters())
+    model.save_checkpoint(tmp_path / "c")
+    cfg = json.loads((tmp_path / "c" / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["slot_offset"] == 1
+    back = DSparkModel.from_checkpoint(tmp_path / "c", tiny)
+    assert back.config.slot_offset == 1
+    anchors = torch.tensor([2, 7])
+    assert torch.allclose(model.block_logits(sample, anchors), back.block_logits(sample, anchors), atol=1e-5)
 
 
 def test_gated_head_checkpoint_round_trips_in_deepspec_layout(tiny, tmp_path):

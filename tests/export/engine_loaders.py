@@ -9,7 +9,7 @@ would leave uninitialised (``unfilled``), so a test can demand that neither happ
 Sources read (files named per function): sgl-project/sglang python/sglang/srt/models/{dspark,dflash,
 llama_eagle3}.py, speculative/dflash_utils.py, speculative/dspark_components/dspark_config.py and
 models/llama.py (set_eagle3_layers_to_capture); vllm-project/vllm vllm/model_executor/models/
-{qwen3_dspark,qwen3_dflash}.py, vllm/config/speculative.py and
+{qwen3_dspark,qwen3_dflash}.py (vLLM 0.32.0's wheel for the DFlash loader), vllm/config/speculative.py and
 vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py. vLLM's llama_eagle3.py was not read: its weights are
 not checked here, only the aux-layer resolution.
 """
@@ -223,6 +223,56 @@ def vllm_dspark(folder: Path, target_vocab: int) -> Loaded:
         out.confidence = False
     else:
         out.confidence = "model.confidence_head.proj.weight" in shapes
+    _load(shapes, renamed, out, unknown_raises=True)
+    return out
+
+
+# ------------------------------------------------------------------ vLLM DFlash
+# vllm/model_executor/models/qwen3_dflash.py (DFlashQwen3Model, DFlashQwen3ForCausalLM.__init__/load_weights),
+# vllm/config/speculative.py (method "dflash" detected from an architecture starting with "DFlash").
+
+def vllm_dflash(folder: Path, target_vocab: int) -> Loaded:
+    """vLLM's DFlash drafter: Qwen3-shaped backbone, anchor + k slots (query [bonus, mask x K], drafts from the K
+    mask slots); mask id and 0-based target layers in ``dflash_config``; lm_head and embed_tokens shared with the
+    target unless the checkpoint ships them; a draft vocabulary needs lm_head (W rows) and d2t."""
+    cfg, named = _read(folder)
+    archs = cfg.get("architectures") or [""]
+    if archs[0] != "DFlashDraftModel":
+        raise Refused(f"method dflash is not detected for {archs}")
+    if cfg.get("model_type") != "qwen3":
+        raise Refused(f"DFlashDraftModel builds a Qwen3 config; model_type {cfg.get('model_type')!r}")
+    nested = cfg.get("dflash_config") or {}
+    if nested.get("sample_from_anchor"):
+        raise Refused("sample_from_anchor=True is not supported for DFlash")
+    aux = vllm_aux_layers({"dflash_config": nested})
+    if not aux:
+        raise Refused("no dflash_config.target_layer_ids")
+    mask = nested.get("mask_token_id", cfg.get("mask_token_id"))
+    if mask is None:
+        raise Refused("no dflash_config.mask_token_id")
+    H, V = cfg["hidden_size"], cfg["vocab_size"]
+    W = cfg.get("draft_vocab_size") or V
+    out = Loaded("DFlashDraftModel", None, [i - 1 for i in aux], int(mask), draft_vocab_size=W)
+    shapes = _backbone_params(cfg, "model.", len(aux) * (cfg.get("target_hidden_size") or H))
+    renamed, has = {}, set()
+    for name, t in named.items():
+        if "t2d" in name:
+            continue
+        if "d2t" in name:
+            name = name.replace("d2t", "draft_id_to_target_id")
+            has.add("d2t")
+        elif "lm_head" not in name:
+            name = "model." + name
+        has.update(k for k in ("embed_tokens", "lm_head") if k in name)
+        renamed[name] = t
+    if W != target_vocab:
+        if not {"lm_head", "d2t"} <= has:
+            raise Refused("a draft vocabulary needs its lm_head rows and d2t")
+        shapes["draft_id_to_target_id"] = (W,)
+    if "lm_head" in has:
+        shapes["lm_head.weight"] = (W, H)
+    if "embed_tokens" in has:
+        shapes["model.embed_tokens.weight"] = (V, H)
     _load(shapes, renamed, out, unknown_raises=True)
     return out
 

@@ -92,12 +92,68 @@ def test_vllm_refuses_heads_other_than_vanilla(qwen3, tmp_path, head):
         plan_export(ckpt, "vllm")
 
 
-def test_llama_target_dspark_is_refused_by_both(llama, tmp_path):
+def test_llama_target_dspark_with_llama_layers_is_refused_by_both(llama, tmp_path):
     ckpt = _ckpt(tiny_dspark(llama), tmp_path / "ckpt")
-    for engine in ("sglang", "vllm"):
+    for engine, version in (("sglang", "SGLang 0.5.23"), ("vllm", "vLLM 0.32.0")):
         with pytest.raises(IncompatibleModelsError, match="Qwen3-shaped") as err:
             plan_export(ckpt, engine)
-        assert "\n" not in str(err.value)
+        msg = str(err.value)  # one line: the field, what the engine builds, the version read
+        assert "\n" not in msg and "draft_layer 'target'" in msg and version in msg and "draft_layer=qwen3" in msg
+
+
+@pytest.mark.parametrize("target", ["llama", "gemma2"])
+def test_qwen3_layer_dspark_of_any_target_exports_to_both(target, tmp_path):
+    tiny = tiny_target(**({} if target == "llama" else {"model_type": "gemma2", "final_logit_softcapping": 30.0}))
+    model = tiny_dspark(tiny, draft_layer="qwen3")
+    ckpt = _ckpt(model, tmp_path / "ckpt")
+    export_for_engine(ckpt, "sglang", tmp_path / "sglang")
+    export_for_engine(ckpt, "vllm", tmp_path / "vllm")
+    loaded = engines.sglang_dspark(tmp_path / "sglang", tiny.vocab_size, verify_mode="compact")
+    assert (loaded.ignored, loaded.unfilled) == ([], []) and loaded.capture_after == LAYER_IDS
+    _same_weights(loaded, ckpt)
+    assert engines.vllm_dspark(tmp_path / "vllm", tiny.vocab_size).unfilled == []
+
+
+@pytest.mark.parametrize("vocab", [None, [5, 1, 9, 40, 2, 77, 3, 60]])
+def test_anchor_plus_k_dflash_goes_to_vllm_as_dflash_draft_model(llama, tmp_path, vocab):
+    """slot_offset 1 + Qwen3 layers: vLLM's DFlashDraftModel with dflash_config; K = block_size - 1 drafts."""
+    model = tiny_dflash(llama, slot_offset=1, draft_layer="qwen3", block_size=5)
+    ckpt, folder = _ckpt(model, tmp_path / "ckpt"), None
+    if vocab is not None:
+        ckpt = prune_to_draft_vocab(ckpt, vocab, tmp_path / "pruned", target=llama)
+        folder = tmp_path / "target"  # the LM head rows come from the target's folder
+        folder.mkdir()
+        save_file({"lm_head.weight": llama.model.lm_head.weight.detach()}, str(folder / "model.safetensors"))
+    plan, command = export_for_engine(ckpt, "vllm", tmp_path / "out", target="HuggingFaceTB/SmolLM2-135M-Instruct",
+                                      target_folder=folder)
+    loaded = engines.vllm_dflash(tmp_path / "out", llama.vocab_size)
+    assert (loaded.arch, loaded.unfilled) == ("DFlashDraftModel", [])
+    assert loaded.capture_after == LAYER_IDS and loaded.mask_token_id == model.config.mask_token_id
+    assert loaded.draft_vocab_size == (llama.vocab_size if vocab is None else len(vocab))
+    if vocab is not None:
+        d2t = loaded.params["draft_id_to_target_id"]
+        assert (torch.arange(len(vocab)) + d2t).tolist() == vocab
+    _same_weights(loaded, ckpt, prefix="model.")
+    spec = json.loads(command.split("--speculative-config ")[1].strip("'"))
+    assert spec["method"] == "dflash" and spec["num_speculative_tokens"] == 4
+    assert command.startswith("python -m vllm.entrypoints.openai.api_server --model HuggingFaceTB/")
+
+
+def test_anchor_plus_k_refusals_name_the_field_the_convention_and_the_version(llama, tmp_path):
+    dflash = _ckpt(tiny_dflash(llama, slot_offset=1, draft_layer="qwen3"), tmp_path / "dflash")
+    with pytest.raises(IncompatibleModelsError, match=r"slot_offset 1.*anchor \+ k.*anchor \+ k \+ 1") as err:
+        plan_export(dflash, "sglang")
+    assert "SGLang 0.5.23" in str(err.value)
+    markov = _ckpt(tiny_dspark(llama, slot_offset=1, draft_layer="qwen3"), tmp_path / "markov")
+    with pytest.raises(IncompatibleModelsError, match="slot_offset 1 with a Markov") as err:
+        plan_export(markov, "vllm")
+    assert "vLLM 0.32.0" in str(err.value)
+    llama_layers = _ckpt(tiny_dflash(llama, slot_offset=1), tmp_path / "llama")
+    with pytest.raises(IncompatibleModelsError, match="draft_layer 'target'.*DFlashDraftModel"):
+        plan_export(llama_layers, "vllm")
+    with pytest.raises(engines.Refused, match="dflash is not detected"):  # the negative control of the loader
+        export_for_engine(_ckpt(tiny_dflash(llama, draft_layer="qwen3"), tmp_path / "s0"), "vllm", tmp_path / "o")
+        engines.vllm_dflash(tmp_path / "o", llama.vocab_size)
 
 
 def test_dflash_becomes_dspark_with_a_zero_head_that_drafts_the_same(qwen3, tmp_path):
@@ -206,7 +262,7 @@ def test_side_files(qwen3, tmp_path):
 def test_cli_prints_the_command_or_one_line_refusal(qwen3, llama, tmp_path, capsys):
     ok = _ckpt(tiny_dspark(qwen3), tmp_path / "ok")
     assert main(["export", "--to", "vllm", str(ok), str(tmp_path / "o1"), "--target", "Qwen/Qwen3-8B"]) == 0
-    assert "vllm serve Qwen/Qwen3-8B --speculative-config" in capsys.readouterr().out
+    assert "vllm.entrypoints.openai.api_server --model Qwen/Qwen3-8B --speculative-config" in capsys.readouterr().out
     bad = _ckpt(tiny_dspark(llama), tmp_path / "bad")
     assert main(["export", "--to", "sglang", str(bad), str(tmp_path / "o2")]) == 2
     err = capsys.readouterr().err

@@ -98,12 +98,51 @@ def target_base_config(target) -> dict[str, Any]:
     return spec_to_hf_config(target.spec)
 
 
-def draft_spec_from(target_spec: DecoderSpec, num_layers: int) -> DecoderSpec:
-    """The target's architecture with ``num_layers`` full-attention layers and an untied head."""
-    return dataclasses.replace(
+#: ``draft_layer`` values: "target" = the target family's layer, "qwen3" = Qwen3's whatever the target
+DRAFT_LAYERS = ("target", "qwen3")
+
+
+def draft_spec_from(target_spec: DecoderSpec, num_layers: int, draft_layer: str = "target") -> DecoderSpec:
+    """The target's architecture with ``num_layers`` full-attention layers and an untied head.
+
+    ``draft_layer="qwen3"``: Qwen3-shaped layers whatever the target family (q/k RMSNorm, SiLU, plain RMSNorm,
+    pre-norm, no soft-capping, unscaled embeddings), the sizes and RoPE of the target's full-attention layers.
+    That is what SGLang's ``Qwen3DSparkModel`` and vLLM's ``DFlashDraftModel`` / DSpark classes build for a
+    drafter of any target (docs/interop.md §Draft layers)."""
+    if draft_layer not in DRAFT_LAYERS:
+        raise ValueError(f"draft_layer must be one of {DRAFT_LAYERS}, got {draft_layer!r}")
+    spec = dataclasses.replace(
         target_spec, num_layers=num_layers, layer_types=["full_attention"] * num_layers,
         tie_word_embeddings=False, rope=dict(target_spec.rope),
     )
+    if draft_layer == "qwen3" and target_spec.model_type != "qwen3":
+        full = target_spec.rope["full_attention"]
+        spec = dataclasses.replace(
+            spec, model_type="qwen3", hidden_act="silu", attention_bias=False, attention_out_bias=False, mlp_bias=False,
+            qk_norm=True, norm_offset=0.0, embed_scale=1.0, sandwich_norms=False, attn_scale=None,
+            attn_softcap=None, final_softcap=None, sliding_window=None, rope={t: full for t in spec.rope},
+        )
+    return spec
+
+
+#: target config keys a Qwen3-shaped draft's config.json keeps (the rest describes the target's own layers)
+_QWEN3_KEEP = ("bos_token_id", "eos_token_id", "pad_token_id", "initializer_range", "torch_dtype", "dtype",
+               "transformers_version")
+
+
+def qwen3_base_config(target_base: dict[str, Any], draft_spec: DecoderSpec, target_spec: DecoderSpec
+                      ) -> dict[str, Any]:
+    """config.json base of a ``draft_layer="qwen3"`` drafter: a Qwen3 config of the draft's sizes (so
+    ``spec_from_config`` reads the draft's layers back, and the engines see ``model_type: qwen3``), the target's
+    token ids, and what the draft must know of the target: its family and the soft-cap of its logits (the target
+    distribution p_t passes through it; the draft's own logits do not)."""
+    cfg = {k: target_base[k] for k in _QWEN3_KEEP if k in target_base}
+    cfg.update(spec_to_hf_config(draft_spec))
+    cfg.update({"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"],
+                "target_model_type": target_spec.model_type})
+    if target_spec.final_softcap:
+        cfg["target_final_logit_softcapping"] = target_spec.final_softcap
+    return cfg
 
 
 #: the frozen tensors a drafter shares with its target (a checkpoint may leave them out)

@@ -5,16 +5,21 @@ Shapes: V = target vocabulary, W = draft vocabulary, H = hidden size, r = Markov
 What each engine loads was read from its source (docs/interop.md §SGLang, §vLLM, docs/serving-at-scale.md):
 
 - DSpark (and DFlash, as a DSpark whose Markov head is zero): both engines load ``Qwen3DSparkModel``, a
-  Qwen3-shaped backbone (q_norm/k_norm, SiLU) with DeepSpec's slot convention (slot k predicts anchor + k + 1),
+  Qwen3-shaped backbone (``draft_layer`` "qwen3", or any drafter of a Qwen3 target) (q_norm/k_norm, SiLU) with DeepSpec's slot convention (slot k predicts anchor + k + 1),
   ``markov_rank > 0``, the target's embedding and LM head. SGLang knows the ``vanilla``, ``gated`` and ``rnn``
   heads, vLLM only ``vanilla``. SGLang drafts over the full vocabulary; vLLM takes a draft vocabulary as
   ``draft_vocab_size`` + ``lm_head`` (W rows) + ``d2t`` (draft id -> target id offsets) with ``markov_w1``
   over all V rows.
+- DFlash in the anchor + k convention (``slot_offset`` 1: slot k predicts anchor + k, slot 0 drafts nothing):
+  vLLM loads ``DFlashDraftModel`` (Qwen3-shaped, ``dflash_config.mask_token_id`` / ``target_layer_ids``), on its
+  CPU runner too; SGLang's DSpark reads only DeepSpec's convention, so it is refused there.
 - Eagle3: both engines load ``LlamaForCausalLMEagle3``: one Llama-shaped layer named ``midlayer``, ``fc``
   over exactly 3 target layers.
 
-Anything else is refused with the reason in one line (``IncompatibleModelsError``): a Llama/Gemma-target
-DSpark, an anchor + k checkpoint, a head type or side file the engine does not read. Every floating tensor is
+Anything else is refused with the reason in one line (``IncompatibleModelsError``) naming the field, the
+convention and the engine version the loaders were read from: a drafter with target-family (non-Qwen3) draft
+layers (``draft_layer``), a convention the engine does not read (``slot_offset``), a head type or side file the
+engine does not read. Every floating tensor is
 written as bf16. ``plan_export`` builds the files in memory (tests read them), ``export_for_engine`` writes them
 and returns the exact launch command.
 """
@@ -35,7 +40,10 @@ import torch
 from dspark.errors import IncompatibleModelsError
 
 ENGINES = ("sglang", "vllm")
+#: the engine versions whose loaders these exports follow (docs/interop.md §vLLM, §SGLang)
+ENGINE_VERSIONS = {"sglang": "SGLang 0.5.23", "vllm": "vLLM 0.32.0"}
 DSPARK_ARCH = "Qwen3DSparkModel"  # SGLang models/dspark.py EntryClass, vLLM registry -> qwen3_dspark.py
+DFLASH_ARCH = "DFlashDraftModel"  # vLLM registry -> qwen3_dflash.py DFlashQwen3ForCausalLM (CPU and GPU runners)
 EAGLE3_ARCH = "LlamaForCausalLMEagle3"  # SGLang models/llama_eagle3.py, vLLM llama_eagle3.py
 HEAD_TYPES = {"sglang": ("vanilla", "gated", "rnn"), "vllm": ("vanilla",)}
 SPS_FILE, STS_FILE = "dspark_sps.json", "sts.json"  # the side files, written beside the weights
@@ -50,7 +58,7 @@ class ExportPlan:
     """The files of an export: config.json, the tensors of model.safetensors, side files, notes."""
 
     engine: str
-    kind: str  # "dspark" | "eagle3"
+    kind: str  # "dspark" | "dflash" | "eagle3": vLLM's method name
     config: dict[str, Any]
     tensors: dict[str, torch.Tensor]
     block_size: int  # drafts per step (gamma)
@@ -60,7 +68,8 @@ class ExportPlan:
 
 
 def _refuse(engine: str, ckpt: Path, reason: str) -> IncompatibleModelsError:
-    return IncompatibleModelsError(f"cannot export {ckpt} to {engine}: {reason}")
+    return IncompatibleModelsError(f"cannot export {ckpt} to {engine} (loaders read from {ENGINE_VERSIONS[engine]}): "
+                                   f"{reason}")
 
 
 def plan_export(ckpt: str | Path, engine: str, sps_table: str | Path | None = None,
@@ -115,12 +124,19 @@ def _plan_dspark(ckpt: Path, engine: str, cfg: dict[str, Any], target_folder: st
 
     config = config_from_checkpoint(cfg, ckpt)
     spec = spec_from_config(cfg)
-    if config.slot_offset:
-        raise _refuse(engine, ckpt, "its slot k predicts anchor + k (z-lab/SpecForge DFlash convention); the "
-                      "engines' DSpark reads slot k as anchor + k + 1 (serve it with the engine's DFLASH method as is)")
+    arch = DFLASH_ARCH if config.slot_offset else DSPARK_ARCH
     if spec.model_type != "qwen3" or not spec.qk_norm or spec.hidden_act != "silu":
-        raise _refuse(engine, ckpt, f"its backbone is {spec.model_type}-shaped; {engine}'s {DSPARK_ARCH} is Qwen3-"
-                      "shaped (q_norm/k_norm, SiLU), so only drafters of a Qwen3 target export")
+        raise _refuse(engine, ckpt, f"draft_layer {config.draft_layer!r}: its backbone is {spec.model_type}-shaped; "
+                      f"{engine}'s {arch} is Qwen3-shaped (q_norm/k_norm, SiLU): train with model.draft_layer=qwen3")
+    if config.slot_offset:
+        if engine == "sglang":
+            raise _refuse(engine, ckpt, "slot_offset 1: its slot k predicts anchor + k (the DFlash anchor + k "
+                          f"convention); SGLang's {DSPARK_ARCH} reads slot k as anchor + k + 1 (DeepSpec's): train "
+                          "with model.slot_offset=0 for SGLang")
+        if not config.is_dflash:
+            raise _refuse(engine, ckpt, "slot_offset 1 with a Markov or confidence head: vLLM reads the anchor + k "
+                          f"convention only as {DFLASH_ARCH}, which has neither head (its DSpark reads slot k as "
+                          "anchor + k + 1): train a DFlash drafter with model.slot_offset=1, or DSpark with 0")
     if config.markov_rank and config.markov_head_type not in HEAD_TYPES[engine]:
         raise _refuse(engine, ckpt, f"markov_head_type {config.markov_head_type!r}: {engine} loads "
                       f"{', '.join(HEAD_TYPES[engine])} only")
@@ -129,6 +145,8 @@ def _plan_dspark(ckpt: Path, engine: str, cfg: dict[str, Any], target_folder: st
     V, H = spec.vocab_size, spec.hidden_size
     if not config.mask_token_id < V:
         raise _refuse(engine, ckpt, f"mask_token_id {config.mask_token_id} is outside the vocabulary of {V}")
+    if config.slot_offset:
+        return _plan_dflash(ckpt, engine, cfg, config, spec, state, target_folder)
     rank, head_type = config.markov_rank, config.markov_head_type
     if rank == 0:  # DFlash = DSpark with B_k = 0: a rank-1 zero Markov head drafts exactly U_k
         rank, head_type = 1, "vanilla"
@@ -166,8 +184,44 @@ def _plan_dspark(ckpt: Path, engine: str, cfg: dict[str, Any], target_folder: st
     conf_cfg.pop("confidence_head_with_markov", None)
     if config.enable_confidence_head:
         conf_cfg["confidence_head_with_markov"] = config.confidence_head_with_markov
+    if rank == 1 and config.markov_rank == 0 and engine == "vllm":
+        notes.append(f"vLLM runs {DSPARK_ARCH} on its GPU runner only; for its DFLASH method ({DFLASH_ARCH}, CPU "
+                     "too) train with model.slot_offset=1 (the anchor + k convention)")
     return ExportPlan(engine, "dspark", conf_cfg, _bf16(out), config.block_size,
                       config.enable_confidence_head, notes=notes)
+
+
+def _plan_dflash(ckpt: Path, engine: str, cfg: dict[str, Any], config, spec, state: dict[str, torch.Tensor],
+                 target_folder: str | Path | None) -> ExportPlan:
+    """An anchor + k DFlash drafter as vLLM's ``DFlashDraftModel``: query [bonus, mask x K] at positions
+    anchor..anchor+K, drafts from the K mask slots; ``dflash_config`` holds mask_token_id and the 0-based
+    target_layer_ids (vLLM adds 1 itself, as we capture layer outputs). The target's embedding and full LM head
+    are shared by vLLM; a draft vocabulary goes as ``draft_vocab_size`` + ``lm_head`` (W rows) + ``d2t``."""
+    out = {k: v for k, v in state.items() if not k.startswith(("embed_tokens.", "lm_head.", "rotary_emb."))}
+    out.pop("draft_vocab", None)
+    conf_cfg = copy.deepcopy(cfg)
+    for key in (*_DROP_KEYS, "slot_offset", "draft_layer", "num_anchors", "markov_rank", "markov_head_type",
+                "enable_confidence_head", "confidence_head_with_markov", "mask_token_id", "target_layer_ids"):
+        conf_cfg.pop(key, None)
+    notes = []
+    ids = state.get("draft_vocab")
+    if ids is not None:
+        ids = ids.long()
+        out["lm_head.weight"] = _draft_lm_head(state, ids, target_folder, engine, ckpt)  # (W, H)
+        out["d2t"] = ids - torch.arange(ids.numel())  # (W,) int64: target id = draft id + d2t[draft id]
+        conf_cfg["draft_vocab_size"] = int(ids.numel())
+        notes.append(f"draft vocabulary of {ids.numel()} tokens written as vLLM's draft_vocab_size + d2t")
+    n = spec.num_layers
+    conf_cfg.update({
+        "architectures": [DFLASH_ARCH], "model_type": "qwen3", "num_hidden_layers": n,
+        "layer_types": ["full_attention"] * n, "tie_word_embeddings": False,
+        "hidden_size": spec.hidden_size, "vocab_size": spec.vocab_size, "target_hidden_size": spec.hidden_size,
+        "num_target_layers": int(cfg.get("num_target_layers") or max(config.target_layer_ids) + 1),
+        "block_size": config.block_size,
+        "dflash_config": {"mask_token_id": config.mask_token_id, "target_layer_ids": list(config.target_layer_ids)},
+        "torch_dtype": "bfloat16", "dtype": "bfloat16",
+    })
+    return ExportPlan(engine, "dflash", conf_cfg, _bf16(out), config.num_drafts, notes=notes)
 
 
 def _plan_eagle3(ckpt: Path, engine: str, cfg: dict[str, Any]) -> ExportPlan:
@@ -246,7 +300,9 @@ def launch_command(plan: ExportPlan, out: Path, target: str) -> str:
                                 "draft_sample_method": "probabilistic"}
     if plan.kind == "dspark" and plan.has_confidence:
         spec_cfg["enable_adaptive_verification"] = True
-    return f"vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(json.dumps(spec_cfg))}"
+    # the module form: vLLM's CPU build has no working `vllm` console script (docs/interop.md §vLLM)
+    return (f"python -m vllm.entrypoints.openai.api_server --model {shlex.quote(target)} "
+            f"--speculative-config {shlex.quote(json.dumps(spec_cfg))}")
 
 
 def export_for_engine(ckpt: str | Path, engine: str, out: str | Path, *, target: str = "TARGET",

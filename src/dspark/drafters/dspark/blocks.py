@@ -9,7 +9,8 @@ Shapes: L = sequence length, A = kept anchors (<= num_anchors), G = block size
   Up to ``num_anchors`` are drawn uniformly without replacement, then sorted.
 - Block inputs: slot 0 = input_ids[anchor], slots 1..G-1 = mask_token_id.
 - Slot k (0-based) predicts the token at anchor + k + 1, so all G slots are trained;
-  it sits at RoPE position anchor + k.
+  it sits at RoPE position anchor + k. With ``slot_offset`` 1 (the anchor + k convention) slot k
+  predicts anchor + k and slot 0 is not trained (docs/interop.md §Slot conventions).
 - eval_mask[b, k] = (anchor+k+1 < L) & loss_mask[anchor+k+1], then a cumulative
   product over k: only the contiguous supervised prefix counts.
 - Attention: block b sees context (target features) at positions j < anchor_b and
@@ -75,21 +76,24 @@ def build_blocks(
     anchors: torch.Tensor,  # (A,) int64
     block_size: int,
     mask_token_id: int,
+    slot_offset: int = 0,
 ) -> Blocks:
-    L, G = input_ids.shape[0], block_size
+    """``slot_offset`` s = 1 is the anchor + k convention (z-lab/SpecForge DFlash, vLLM's DFlash): slot k predicts
+    anchor + k, so slot 0 (the anchor) drafts nothing and is never supervised; s = 0 is DeepSpec's."""
+    L, G, s = input_ids.shape[0], block_size, slot_offset
     offsets = torch.arange(G, device=input_ids.device)  # (G,)
     positions = anchors[:, None] + offsets[None, :]  # (A, G)
-    label_pos = positions + 1  # (A, G) slot k predicts anchor + k + 1
+    label_pos = positions + 1 - s  # (A, G) slot k predicts anchor + k + 1 - s
     safe = label_pos.clamp(max=L - 1)
     labels = input_ids[safe]  # (A, G)
-    eval_mask = (label_pos < L) & loss_mask.bool()[safe]
-    eval_mask = eval_mask.long().cumprod(dim=1).bool()
+    eval_mask = (label_pos < L) & loss_mask.bool()[safe] & (offsets >= s)[None, :]
+    eval_mask[:, s:] = eval_mask[:, s:].long().cumprod(dim=1).bool()
     block_ids = torch.full((anchors.shape[0], G), mask_token_id, dtype=torch.long, device=input_ids.device)
     block_ids[:, 0] = input_ids[anchors]
-    prev = torch.cat([input_ids[anchors][:, None], labels[:, :-1]], dim=1)  # (A, G)
+    prev = input_ids[(label_pos - 1).clamp(min=0, max=L - 1)]  # (A, G) the token before each label
     # The target's distribution of the token at t+1 comes from its hidden state at t, so the
-    # label of slot k (token anchor+k+1) is scored against target_last_hidden[anchor + k].
-    target_index = positions.clamp(max=L - 1)
+    # label of slot k (token anchor+k+1-s) is scored against target_last_hidden[anchor + k - s].
+    target_index = (label_pos - 1).clamp(min=0, max=L - 1)
     return Blocks(anchors, block_ids, positions, labels, prev, target_index, eval_mask)
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dspark.drafters.checkpoint import check_layer_ids
+from dspark.drafters.checkpoint import DRAFT_LAYERS, check_layer_ids
 from dspark.errors import ModelLoadError
 
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")  # heads.py
@@ -37,12 +37,17 @@ class DSparkConfig:
     ce_loss_alpha: float = 0.1
     l1_loss_alpha: float = 0.9
     confidence_head_alpha: float = 1.0
-    # 0: slot k predicts anchor + k + 1 (DeepSpec, ours); 1: slot k predicts anchor + k and slot 0 drafts
-    # nothing (z-lab / SpecForge DFlash, speculators DSpark), loaded for decoding only
+    # 0: slot k predicts anchor + k + 1 (DeepSpec's); 1: slot k predicts anchor + k and slot 0 drafts nothing
+    # (z-lab / SpecForge DFlash, vLLM's DFlash, speculators DSpark): gamma = block_size - 1 drafts
     # (docs/interop.md §Slot conventions, ``slot_offset_of``)
     slot_offset: int = 0
+    # "target": draft layers of the target's family; "qwen3": Qwen3-shaped layers (q/k RMSNorm, SiLU) for any
+    # target, what SGLang's and vLLM's DSpark/DFlash classes load (docs/interop.md §Draft layers)
+    draft_layer: str = "target"
 
     def __post_init__(self) -> None:
+        if self.draft_layer not in DRAFT_LAYERS:
+            raise ValueError(f"draft_layer must be one of {DRAFT_LAYERS}, got {self.draft_layer!r}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.num_draft_layers < 1:
@@ -117,7 +122,8 @@ DRAFT_KEYS = {
     "architectures", "num_target_layers", "block_size", "mask_token_id", "target_layer_ids", "num_anchors",
     "enable_confidence_head", "markov_rank", "markov_head_type", "confidence_head_with_markov",
     "loss_decay_gamma", "ce_loss_alpha", "l1_loss_alpha", "confidence_head_alpha", "dflash_config",
-    "torch_dtype", "dtype", "draft_vocab_size", "target_fingerprint", "speculators_model_type",
+    "torch_dtype", "dtype", "draft_vocab_size", "target_fingerprint", "speculators_model_type", "draft_layer",
+    "slot_offset",
 }
 
 #: ``architectures[0]`` of checkpoints whose slot k predicts anchor + k (z-lab's and SpecForge's DFlash)
@@ -130,7 +136,8 @@ def slot_offset_of(cfg: dict[str, Any]) -> int:
     unused (``DFlashDraftModel`` of z-lab and SpecForge, the speculators format's ``speculators_model_type:
     "dspark"``)."""
     arch = (cfg.get("architectures") or [""])[0]
-    return int(arch in ANCHOR_PLUS_K_ARCHITECTURES or cfg.get("speculators_model_type") == "dspark")
+    return int(arch in ANCHOR_PLUS_K_ARCHITECTURES or cfg.get("speculators_model_type") == "dspark"
+               or cfg.get("slot_offset") == 1)  # ours: hf_config writes slot_offset
 
 
 def config_from_checkpoint(cfg: dict[str, Any], folder: Path | str = "") -> DSparkConfig:
@@ -162,6 +169,7 @@ def config_from_checkpoint(cfg: dict[str, Any], folder: Path | str = "") -> DSpa
             l1_loss_alpha=float(get("l1_loss_alpha", defaults.l1_loss_alpha)),
             confidence_head_alpha=float(get("confidence_head_alpha", defaults.confidence_head_alpha)),
             slot_offset=slot_offset_of(cfg),
+            draft_layer=str(cfg.get("draft_layer", "target")),
         )
     except (ValueError, KeyError) as err:
         raise ModelLoadError(f"{folder}/config.json: invalid DSpark settings ({err})") from None

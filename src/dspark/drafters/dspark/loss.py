@@ -60,7 +60,9 @@ class DSparkLoss(nn.Module):
         if outputs.blocks is None:
             return connected_zero(model), {**metrics, "loss": 0.0}
         blocks = outputs.blocks
-        weights = position_weights(blocks.eval_mask, cfg.loss_decay_gamma)  # (A, G)
+        s = cfg.slot_offset  # anchor + k convention: slot 0 drafts nothing, draft k sits in slot k + s
+        weights = torch.zeros(blocks.eval_mask.shape, device=blocks.eval_mask.device)  # (A, G)
+        weights[:, s:] = position_weights(blocks.eval_mask[:, s:], cfg.loss_decay_gamma)
         rows = blocks.eval_mask.flatten().nonzero().squeeze(-1)  # (M,) supervised (block, slot) pairs
         if rows.numel() == 0:
             return connected_zero(model), {**metrics, "loss": 0.0}
@@ -97,7 +99,7 @@ class DSparkLoss(nn.Module):
             total = total + cfg.confidence_head_alpha * loss_bce
             metrics["bce"] = float(loss_bce.detach())
             metrics["confidence_abs_error"] = float(weighted_mean((torch.sigmoid(conf.detach()) - soft).abs(), w))
-        metrics.update(acceptance_metrics(soft, rows, blocks.eval_mask))
+        metrics.update(acceptance_metrics(soft, rows, blocks.eval_mask, s))
         metrics["supervised_tokens"] = float(rows.numel())
         metrics["weight_sum"] = float(w.sum())  # the denominator of every term (for global re-weighting)
         metrics["loss"] = float(total.detach())
@@ -108,11 +110,14 @@ def acceptance_metrics(
     soft: torch.Tensor,  # (M,) soft acceptance of the supervised rows
     rows: torch.Tensor,  # (M,) their flat (block, slot) indices
     eval_mask: torch.Tensor,  # (A, G) bool
+    slot_offset: int = 0,
 ) -> dict[str, float]:
-    """acc@k = mean soft acceptance sum_v min(p_d, p_t) over supervised slots k; tau = 1 + sum prod acc."""
+    """acc@k = mean soft acceptance sum_v min(p_d, p_t) over supervised drafts k; tau = 1 + sum prod acc.
+    Draft k sits in slot k + ``slot_offset``."""
     grid = torch.zeros(eval_mask.numel(), device=soft.device)
     grid[rows] = soft.float()
-    grid = grid.view(eval_mask.shape)
+    grid = grid.view(eval_mask.shape)[:, slot_offset:]
+    eval_mask = eval_mask[:, slot_offset:]
     out: dict[str, float] = {}
     counts = eval_mask.sum(0)
     for k in range(eval_mask.shape[1]):

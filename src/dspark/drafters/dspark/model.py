@@ -55,6 +55,7 @@ from dspark.drafters.checkpoint import (
     draft_spec_from,
     finish_new_drafter,
     load_drafter_weights,
+    qwen3_base_config,
     read_draft_vocab,
     target_base_config,
     target_fingerprint,
@@ -106,6 +107,8 @@ class DSparkModel(nn.Module):
         self.num_target_layers = num_target_layers
         H, V = spec.hidden_size, spec.vocab_size
         eps, off = spec.rms_norm_eps, spec.norm_offset
+        # the soft-cap of the target's logits (p_t), the draft's own when its layers are the target's family
+        self.target_softcap = base_config.get("target_final_logit_softcapping", spec.final_softcap)
         self.embed_tokens = nn.Embedding(V, H)
         self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
         self.norm = RMSNorm(H, eps, off)
@@ -141,7 +144,10 @@ class DSparkModel(nn.Module):
             raise ValueError(f"mask_token_id {mask_id} is outside the target vocabulary of {target.vocab_size}")
         cfg = dataclasses.replace(cfg, target_layer_ids=list(layer_ids), mask_token_id=int(mask_id))
         base = target_base_config(target)
-        model = cls(cfg, draft_spec_from(target.spec, cfg.num_draft_layers), base, target.num_layers, draft_vocab)
+        spec = draft_spec_from(target.spec, cfg.num_draft_layers, cfg.draft_layer)
+        if spec.model_type != target.spec.model_type:  # Qwen3-shaped layers for another family
+            base = qwen3_base_config(base, spec, target.spec)
+        model = cls(cfg, spec, base, target.num_layers, draft_vocab)
         model.target_fingerprint = target_fingerprint(target)
         return finish_new_drafter(model, target, base, generator)
 
@@ -295,9 +301,6 @@ class DSparkModel(nn.Module):
     def forward(self, sample: TrainSample, generator: torch.Generator | None = None) -> DSparkOutputs:
         """Teacher-forced outputs of up to ``num_anchors`` blocks drawn with ``generator`` (the loss is
         ``DSparkLoss``'s job)."""
-        if self.config.slot_offset:
-            raise ValueError("this drafter uses the anchor + k slot convention (docs/interop.md §Slot conventions); "
-                             "it decodes here but cannot be trained or fine-tuned: train a new drafter")
         anchors = sample_anchors(sample.loss_mask, self.config.num_anchors, generator)
         if anchors.numel() == 0:
             return DSparkOutputs(anchors)
@@ -306,7 +309,7 @@ class DSparkModel(nn.Module):
     def block_outputs(self, sample: TrainSample, anchors: torch.Tensor) -> DSparkOutputs:
         """All blocks of one sequence in one packed attention call (teacher-forced heads)."""
         cfg, G = self.config, self.config.block_size
-        blocks = build_blocks(sample.input_ids, sample.loss_mask, anchors, G, cfg.mask_token_id)
+        blocks = build_blocks(sample.input_ids, sample.loss_mask, anchors, G, cfg.mask_token_id, cfg.slot_offset)
         A = blocks.num_blocks
         ctx_len = int(anchors.max()) if A else 0  # no block sees context at or after its anchor
         context = self.project_context(sample.target_features[:ctx_len])  # (ctx_len, H)
@@ -318,7 +321,11 @@ class DSparkModel(nn.Module):
         x = self.embed(blocks.block_ids.flatten())  # (Q, H)
         hidden = self.backbone(x, blocks.positions.flatten(), [group]).view(A, G, -1)
         prev = self.draft_index(blocks.prev_tokens)  # (A, G) w of x_{k-1}, -1 outside the draft vocabulary
-        latents = self.markov_head.latents(hidden, prev) if self.markov_head is not None else None
+        latents, s = None, cfg.slot_offset
+        if self.markov_head is not None:  # the head starts at the first drafting slot (an RNN's s_0 = 0 there)
+            latents = self.markov_head.latents(hidden[:, s:], prev[:, s:])
+            if s:  # slot 0 of an anchor + k block drafts nothing: a zero latent keeps the (A, G, r) layout
+                latents = torch.cat([latents.new_zeros(A, s, latents.shape[-1]), latents], dim=1)
         conf = self.confidence_logits(hidden, blocks.prev_tokens)
         return DSparkOutputs(anchors, blocks, hidden, latents, conf)
 
@@ -330,7 +337,10 @@ class DSparkModel(nn.Module):
     def target_logits(self, target_hidden: torch.Tensor) -> torch.Tensor:  # (m, H) -> (m, W)
         """The target's logits from its final-normed hidden state, through the shared (frozen) LM head
         (over the draft vocabulary: normalise with the target's full-vocabulary log-sum-exp, see loss.py)."""
-        return self.base_logits(target_hidden.to(self.lm_head.weight.dtype))
+        out = self.lm_head(target_hidden.to(self.lm_head.weight.dtype))
+        if self.target_softcap:
+            out = torch.tanh(out / self.target_softcap) * self.target_softcap
+        return out
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         """Everything except the frozen embed_tokens and lm_head."""
@@ -342,13 +352,13 @@ class DSparkModel(nn.Module):
     def hf_config(self) -> dict[str, Any]:
         """config.json in DeepSpec's layout: the target config plus top-level draft keys (docs/interop.md §Drafter checkpoints)."""
         cfg = self.config
-        if cfg.slot_offset:
-            raise ValueError("an anchor + k checkpoint converted for decoding cannot be saved in DeepSpec's layout, "
-                             "whose slot k predicts anchor + k + 1 (docs/interop.md §Slot conventions)")
         n = self.spec.num_layers
         out = copy.deepcopy(self.base_config)
+        # DeepSpec's name for its convention; an anchor + k drafter is named as z-lab's and vLLM's DFlash is
+        arch = "DFlashDraftModel" if cfg.slot_offset else arch_name(self.spec.model_type, "DSparkModel")
         out.update({
-            "architectures": [arch_name(self.spec.model_type, "DSparkModel")],
+            "architectures": [arch],
+            "slot_offset": cfg.slot_offset,
             "num_hidden_layers": n,
             "layer_types": ["full_attention"] * n,
             "tie_word_embeddings": False,
@@ -359,6 +369,7 @@ class DSparkModel(nn.Module):
             "num_anchors": cfg.num_anchors,
             "enable_confidence_head": cfg.enable_confidence_head,
             "markov_rank": cfg.markov_rank,
+            "draft_layer": cfg.draft_layer,
             "target_fingerprint": self.target_fingerprint,
             # training settings (not in DeepSpec's config.json; harmless extra keys, used to resume)
             "loss_decay_gamma": cfg.loss_decay_gamma,
