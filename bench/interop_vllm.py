@@ -134,13 +134,20 @@ def _get(url: str, data: dict | None = None, timeout: float = 10) -> str:
 
 
 def launch_works(command: str, python: str, port: int, work: Path, name: str, wait_s: float = 900) -> bool:
-    """(c): the printed command, with vLLM's python and a local port, serves a completion and counts drafts."""
+    """(c): the printed command, with the engine's python and a local port, serves a completion and verifies
+    drafts (vLLM: ``vllm:spec_decode_num_drafts`` on /metrics; SGLang: "accept len" in its decode log)."""
+    env = dict(os.environ)
     argv = shlex.split(command)
+    while argv and "=" in argv[0] and not argv[0].startswith("-"):  # leading VAR=value (SGLang's verify mode)
+        key, value = argv.pop(0).split("=", 1)
+        env[key] = value
     argv[0] = python
+    sglang = "sglang.launch_server" in argv
     argv += ["--host", "127.0.0.1", "--port", str(port)]
-    log = (work / f"launch-{name}.log").open("w")
+    log_path = work / f"launch-{name}.log"
+    log = log_path.open("w")
     print("+ " + " ".join(shlex.quote(a) for a in argv), flush=True)
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -155,9 +162,12 @@ def launch_works(command: str, python: str, port: int, work: Path, name: str, wa
                 time.sleep(5)
         else:
             return False
-        model = argv[argv.index("--model") + 1]
+        model = argv[argv.index("--model-path" if sglang else "--model") + 1]
         reply = json.loads(_get(base + "/v1/completions", {"model": model, "prompt": "Count from one to twenty:",
                                                            "max_tokens": 32, "temperature": 0}, timeout=300))
+        if sglang:
+            log.flush()
+            return bool(reply["choices"][0]["text"]) and "accept len" in log_path.read_text()
         metrics = _get(base + "/metrics")
         drafts = sum(float(m.group(1)) for m in re.finditer(r"^vllm:spec_decode_num_drafts_total\{[^}]*\} (\S+)$",
                                                              metrics, re.M))
@@ -214,7 +224,16 @@ def main() -> int:
     p.add_argument("--work", default="runs/interop")
     p.add_argument("--no-launch", action="store_true", help="skip check (c), the server launch")
     p.add_argument("--port", type=int, default=8765)
+    p.add_argument("--launch", default=None, metavar="COMMAND",
+                   help="only check (c) for this printed launch command, run with --python (bench/gpu_check.sh)")
+    p.add_argument("--python", default=None, help="with --launch: the engine's python")
     args = p.parse_args()
+    if args.launch:
+        work = Path(args.work)
+        work.mkdir(parents=True, exist_ok=True)
+        ok = launch_works(args.launch, args.python or args.vllm_python, args.port, work, "launch")
+        print(f"launch command {'works' if ok else 'FAILED'}: {args.launch}")
+        return 0 if ok else 1
 
     version = check_vllm(args.vllm_python)
     from dspark.target.convert import resolve_model_path
