@@ -45,7 +45,7 @@ def answers(path: Path) -> dict[str, list[str]]:
 def start_server(python: str, target: str, port: int, log: Path, wait_s: float = 900) -> subprocess.Popen:
     argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", target, "--dtype", "float32",
             "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048", "--seed", "0"]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
     print("+ " + " ".join(shlex.quote(a) for a in argv), flush=True)
     proc = subprocess.Popen(argv, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
     deadline = time.monotonic() + wait_s

@@ -119,7 +119,7 @@ def run_vllm(python: str, target_dir: str, prompts: list[list[int]], max_new: in
              work: Path) -> dict:
     spec = {"target": target_dir, "dtype": "float32", "max_tokens": max_new, "prompts": prompts, "runs": runs}
     (work / "vllm-in.json").write_text(json.dumps(spec))
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # the engine in this process: one vLLM import, not three
     subprocess.run([python, str(ROOT / "bench" / "interop_vllm_engine.py"), str(work / "vllm-in.json"),
                     str(work / "vllm-out.json")], check=True, env=env)
@@ -147,7 +147,7 @@ def launch_works(command: str, python: str, port: int, work: Path, name: str, wa
     log_path = work / f"launch-{name}.log"
     log = log_path.open("w")
     print("+ " + " ".join(shlex.quote(a) for a in argv), flush=True)
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -267,7 +267,7 @@ def main() -> int:
         ok &= good
         print(f"{n}: texts equal {equal}/{len(prompts)}, tau vLLM {tau_vllm:.3f} vs dspark {taus[n]:.3f}, "
               f"launch {launch_ok}: {'ok' if good else 'FAILED'}", flush=True)
-    command = "make interop" + ("" if not (args.eagle3 or args.dflash) else " (given checkpoints)")
+    command = "python bench/interop_vllm.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     write_docs(rows, version, command)
     return 0 if ok else 1
 
