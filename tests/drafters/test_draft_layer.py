@@ -42,10 +42,11 @@ def test_qwen3_layers_for_any_target_save_and_load_as_qwen3(arch, make, tmp_path
     assert torch.allclose(model.block_logits(sample, anchors), back.block_logits(sample, anchors), atol=1e-5)
 
 
-def test_target_family_layers_stay_the_default_shape_for_the_target():
+def test_qwen3_layers_are_the_default_and_target_family_layers_stay_available():
     tiny = tiny_target(**TARGETS["gemma2"])
-    model = tiny_dspark(tiny)
-    assert model.spec.model_type == "gemma2" and model.spec.sandwich_norms and model.config.draft_layer == "target"
+    assert tiny_dspark(tiny).config.draft_layer == "qwen3" and tiny_dspark(tiny).spec.model_type == "qwen3"
+    model = tiny_dspark(tiny, draft_layer="target")
+    assert model.spec.model_type == "gemma2" and model.spec.sandwich_norms
 
 
 @pytest.mark.parametrize("draft_layer", ["target", "qwen3"])

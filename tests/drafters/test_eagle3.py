@@ -157,3 +157,19 @@ def test_loss_without_supervised_tokens_is_a_connected_zero(tiny):
     assert loss.item() == 0.0
     loss.backward()
     assert all(p.grad is not None for p in model.trainable_parameters())
+
+
+def test_a_drafter_that_cannot_export_warns_when_it_is_made(tiny):
+    """Both engines' LlamaForCausalLMEagle3 fuse exactly 3 target layers: other counts warn at train time (the
+    export would refuse them); the 3-layer drafter, and the export preset, do not."""
+    with pytest.warns(UserWarning, match="exactly 3"):
+        tiny_eagle3(tiny, target_layer_ids=[0, 3])
+    import warnings
+
+    from dspark.training.config import load_config
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tiny_eagle3(tiny, target_layer_ids=[0, 2, 3])
+    preset = load_config("smollm2-eagle3-export")
+    assert len(preset.model["target_layer_ids"]) == 3

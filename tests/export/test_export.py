@@ -93,7 +93,7 @@ def test_vllm_refuses_heads_other_than_vanilla(qwen3, tmp_path, head):
 
 
 def test_llama_target_dspark_with_llama_layers_is_refused_by_both(llama, tmp_path):
-    ckpt = _ckpt(tiny_dspark(llama), tmp_path / "ckpt")
+    ckpt = _ckpt(tiny_dspark(llama, draft_layer="target"), tmp_path / "ckpt")
     for engine, version in (("sglang", "SGLang 0.5.23"), ("vllm", "vLLM 0.32.0")):
         with pytest.raises(IncompatibleModelsError, match="Qwen3-shaped") as err:
             plan_export(ckpt, engine)
@@ -148,7 +148,7 @@ def test_anchor_plus_k_refusals_name_the_field_the_convention_and_the_version(ll
     with pytest.raises(IncompatibleModelsError, match="slot_offset 1 with a Markov") as err:
         plan_export(markov, "vllm")
     assert "vLLM 0.32.0" in str(err.value)
-    llama_layers = _ckpt(tiny_dflash(llama, slot_offset=1), tmp_path / "llama")
+    llama_layers = _ckpt(tiny_dflash(llama, slot_offset=1, draft_layer="target"), tmp_path / "llama")
     with pytest.raises(IncompatibleModelsError, match="draft_layer 'target'.*DFlashDraftModel"):
         plan_export(llama_layers, "vllm")
     with pytest.raises(engines.Refused, match="dflash is not detected"):  # the negative control of the loader
@@ -263,7 +263,7 @@ def test_cli_prints_the_command_or_one_line_refusal(qwen3, llama, tmp_path, caps
     ok = _ckpt(tiny_dspark(qwen3), tmp_path / "ok")
     assert main(["export", "--to", "vllm", str(ok), str(tmp_path / "o1"), "--target", "Qwen/Qwen3-8B"]) == 0
     assert "vllm.entrypoints.openai.api_server --model Qwen/Qwen3-8B --speculative-config" in capsys.readouterr().out
-    bad = _ckpt(tiny_dspark(llama), tmp_path / "bad")
+    bad = _ckpt(tiny_dspark(llama, draft_layer="target"), tmp_path / "bad")
     assert main(["export", "--to", "sglang", str(bad), str(tmp_path / "o2")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Qwen3-shaped" in err

@@ -200,7 +200,7 @@ def test_presets_load_open_with_their_command_and_map_onto_model_configs():
         assert next(iter(raw)) == "_command" and f"--config {name}" in raw["_command"]
         cfg = load_config(name)
         model_cfg = build_model_config(cfg, [1, 2, 3, 4, 5])
-        assert model_cfg.block_size == 7
+        assert getattr(model_cfg, "num_drafts", model_cfg.block_size) == 7  # drafts per step (anchor + k: 8 slots)
     q8 = load_config("qwen3-8b-dspark")
     mc = build_model_config(q8)
     assert (mc.num_draft_layers, mc.target_layer_ids, mc.mask_token_id, mc.num_anchors, mc.markov_rank) == (

@@ -163,7 +163,8 @@ def _plan_dspark(ckpt: Path, engine: str, cfg: dict[str, Any], target_folder: st
     if ids is not None:
         if engine == "sglang":
             raise _refuse(engine, ckpt, f"it drafts over a draft vocabulary of {ids.numel()} tokens; SGLang's DSpark "
-                          "drafts over the target's full LM head: export the full-vocabulary checkpoint")
+                          "drafts over the target's full LM head: export the full-vocabulary checkpoint (train with "
+                          "--set draft_vocab_size=null)")
         ids = ids.long()
         w1 = torch.zeros(V, rank)  # (V, r): zero for a previous token outside the draft vocabulary, as trained
         w1[ids] = out["markov_head.markov_w1.weight"].float()

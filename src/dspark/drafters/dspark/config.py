@@ -41,9 +41,9 @@ class DSparkConfig:
     # (z-lab / SpecForge DFlash, vLLM's DFlash, speculators DSpark): gamma = block_size - 1 drafts
     # (docs/interop.md §Slot conventions, ``slot_offset_of``)
     slot_offset: int = 0
-    # "target": draft layers of the target's family; "qwen3": Qwen3-shaped layers (q/k RMSNorm, SiLU) for any
-    # target, what SGLang's and vLLM's DSpark/DFlash classes load (docs/interop.md §Draft layers)
-    draft_layer: str = "target"
+    # "qwen3" (default): Qwen3-shaped layers (q/k RMSNorm, SiLU) for any target, what SGLang's and vLLM's
+    # DSpark/DFlash classes load; "target": layers of the target's family (docs/interop.md §Draft layers)
+    draft_layer: str = "qwen3"
 
     def __post_init__(self) -> None:
         if self.draft_layer not in DRAFT_LAYERS:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -112,6 +113,21 @@ class Eagle3Outputs:
     hidden: list[torch.Tensor]  # T tensors (L, H): output hidden state (pre-norm) of TTT step s at position i
 
 
+def export_problems(cfg: Eagle3Config, target_spec: DecoderSpec) -> list[str]:
+    """Why ``dspark export`` would refuse a drafter of these settings (training warns before spending the budget):
+    both engines' ``LlamaForCausalLMEagle3`` fuse exactly 3 target layers into one Llama-shaped layer."""
+    out = []
+    n = len(cfg.target_layer_ids or [])
+    if n != 3:
+        out.append(f"model.target_layer_ids has {n} layers, the engines' LlamaForCausalLMEagle3 reads exactly 3 "
+                   "(set 3 layers, as the smollm2-eagle3-export preset does)")
+    if cfg.draft_num_hidden_layers != 1:
+        out.append(f"model.draft_num_hidden_layers is {cfg.draft_num_hidden_layers}, the engines read one layer")
+    if target_spec.qk_norm or target_spec.hidden_act != "silu" or target_spec.model_type.startswith("gemma"):
+        out.append(f"its layer is {target_spec.model_type}-shaped, the engines' Eagle3 layer is Llama-shaped")
+    return out
+
+
 class Eagle3Model(nn.Module):
     def __init__(self, config: Eagle3Config, spec: DecoderSpec, base_config: dict[str, Any],
                  num_target_layers: int, target_name: str = "") -> None:
@@ -139,6 +155,8 @@ class Eagle3Model(nn.Module):
         layer_ids = cfg.target_layer_ids if cfg.target_layer_ids is not None else target.default_layer_ids()
         check_layer_ids(layer_ids, target.num_layers)
         cfg = dataclasses.replace(cfg, target_layer_ids=list(layer_ids))
+        for problem in export_problems(cfg, target.spec):
+            warnings.warn(f"this Eagle3 drafter will not export to SGLang or vLLM: {problem}", stacklevel=2)
         base = target_base_config(target)
         model = cls(cfg, draft_spec_from(target.spec, cfg.draft_num_hidden_layers), base, target.num_layers,
                     str(getattr(target, "name", "")))
