@@ -1,0 +1,209 @@
+"""Attention for a whole flattened, variable-length batch: one call per layer.
+
+The decoder concatenates the requests' tokens (N = Σ n_r); their KV caches are slots of one
+``KVPool`` tensor. ``BatchLayout`` says, once per forward, where every token sits (request, row,
+absolute position, slot) and holds the masks; each layer then writes its new keys/values into the
+pool with one indexed store and attends with one batched matmul over the padded block
+(R requests x T query rows x S key positions), as vLLM's attention metadata does for its kernels.
+
+Load independence (CPU): a query row's output is computed the same way whatever else is in the batch.
+Key lengths are padded to whole ``BLOCK``s and masked positions weigh exactly 0 (their values are
+finite: the pool starts zeroed), so a row's scores, softmax and weighted sum see the same numbers in
+the same places whether the batch pads S to its own length or a longer neighbour's; query rows are
+rows of the matmuls, which oneDNN computes alike whatever their number (docs/architecture.md §Making
+a step cheap). Prefill chunks use the same path, so a prompt fed in pieces gives the rows it gives
+whole. ``tests/modeling/test_attention.py`` checks this bitwise; ``TargetModel.load_gap`` measures it
+on a real model. On a GPU the block goes to SDPA (fused kernels; no such guarantee).
+
+Shapes: R = requests, N = tokens, T = most query rows of one request, S = key positions read
+(padded to BLOCK), Hq / Hkv = query / KV heads, g = Hq / Hkv, D = head dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from dspark.modeling.kv_cache import BLOCK, KVCache, KVPool
+
+#: most float32 score elements one matmul may produce; longer query blocks are split into row chunks
+_MAX_SCORES = 1 << 24
+#: requests with more query rows than this (prefill pieces) attend on their own: padding every request of a
+#: batch to the longest prompt would multiply the work, and a prefill piece is heavy enough to pay one call
+LONG_QUERY = 16
+
+
+@dataclass
+class BatchLayout:
+    """Where each token of a flattened batch sits; built once per forward, shared by every layer."""
+
+    seq_lens: list[int]  # (R,) query rows per request
+    positions: torch.Tensor  # (N,) absolute position of each token
+    token_req: torch.Tensor  # (N,) request of each token
+    token_row: torch.Tensor  # (N,) row of each token inside its request
+    q_positions: torch.Tensor  # (R, T) absolute position of each padded query row
+    kv_len: int  # S: key positions read per request (a multiple of BLOCK when cached)
+    uniform: bool  # every request has T rows: padding is a reshape
+    pool: KVPool | None = None  # the caches' pool (None: fresh sequences, keys are the batch's own)
+    slots: torch.Tensor | None = None  # (R,) slot of each request
+    slot_range: tuple[int, int] | None = None  # (first, R) when the slots are consecutive: a view, no gather
+    _masks: dict = field(default_factory=dict)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def rows(self) -> int:  # T
+        return self.q_positions.shape[1]
+
+    @classmethod
+    def build(cls, seq_lens: list[int], caches: list[KVCache] | None, device: torch.device,
+              pooled: bool = True) -> "BatchLayout":
+        """``pooled=False``: positions only (the per-request reference path reads the caches itself)."""
+        R = len(seq_lens)
+        lens = torch.tensor(seq_lens, dtype=torch.long)  # (R,) metadata is built on the host, then moved
+        starts = torch.tensor([c.length for c in caches] if caches is not None else [0] * R, dtype=torch.long)
+        token_req = torch.repeat_interleave(torch.arange(R), lens)  # (N,)
+        token_row = torch.arange(int(lens.sum())) - (lens.cumsum(0) - lens)[token_req]  # (N,)
+        T = max(seq_lens)
+        q_positions = starts[:, None] + torch.arange(T)[None, :]  # (R, T)
+        layout = cls(
+            seq_lens=seq_lens, positions=(starts[token_req] + token_row).to(device),
+            token_req=token_req.to(device), token_row=token_row.to(device), q_positions=q_positions.to(device),
+            kv_len=T, uniform=min(seq_lens) == T,
+        )
+        if caches is not None and pooled:
+            pool = caches[0].pool
+            slots = [c.slot for c in caches]
+            layout.pool = pool
+            layout.kv_len = min(-(-int((starts + lens).max()) // BLOCK) * BLOCK, pool.capacity)
+            layout.slots = torch.tensor(slots, dtype=torch.long, device=device)
+            if slots == list(range(slots[0], slots[0] + R)):
+                layout.slot_range = (slots[0], R)
+        return layout
+
+    def mask(self, window: int | None) -> torch.Tensor:  # (R, T, S) bool, True = may attend
+        if window not in self._masks:
+            k_pos = torch.arange(self.kv_len, device=self.q_positions.device)
+            q_pos = self.q_positions[:, :, None]  # (R, T, 1)
+            allowed = k_pos[None, None, :] <= q_pos
+            if window is not None:
+                allowed &= k_pos[None, None, :] > q_pos - window
+            self._masks[window] = allowed
+        return self._masks[window]
+
+    def pad_rows(self, x: torch.Tensor) -> torch.Tensor:  # (N, ...) -> (R, T, ...)
+        R, T = self.num_requests, self.rows
+        if self.uniform:
+            return x.view(R, T, *x.shape[1:])
+        out = x.new_zeros(R, T, *x.shape[1:])
+        out[self.token_req, self.token_row] = x
+        return out
+
+    def unpad_rows(self, x: torch.Tensor) -> torch.Tensor:  # (R, T, ...) -> (N, ...)
+        if self.uniform:
+            return x.reshape(-1, *x.shape[2:])
+        return x[self.token_req, self.token_row]
+
+    def store_and_read(
+        self, layer_idx: int, k: torch.Tensor, v: torch.Tensor,  # (N, Hkv, D) x2
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # keys, values (R, Hkv, S, D)
+        """Write the batch's new keys/values into the pool (or pad them, without a pool) and return what each
+        request attends over."""
+        if self.pool is None:
+            return self.pad_rows(k).transpose(1, 2), self.pad_rows(v).transpose(1, 2)
+        keys, values = self.pool.keys[layer_idx], self.pool.values[layer_idx]  # (P, Hkv, C, D)
+        slot_of_token = self.slots[self.token_req]  # (N,)
+        keys[slot_of_token, :, self.positions] = k
+        values[slot_of_token, :, self.positions] = v
+        S = self.kv_len
+        if self.slot_range is not None:
+            first, R = self.slot_range
+            return keys[first : first + R, :, :S], values[first : first + R, :, :S]
+        return keys[:, :, :S].index_select(0, self.slots), values[:, :, :S].index_select(0, self.slots)
+
+
+@dataclass
+class AttentionPart:
+    """Requests attended in one call: their tokens' indices in the flat batch (None = all) and their layout."""
+
+    tokens: torch.Tensor | slice | None  # (n,) int64 or a slice of the N tokens
+    layout: BatchLayout
+
+
+def plan_attention(seq_lens: list[int], caches: list[KVCache] | None, device: torch.device) -> list[AttentionPart]:
+    """One part for all requests of at most ``LONG_QUERY`` rows (decode and verify blocks), one part per longer
+    request (prefill pieces). A decode or verify step is always one part: one attention call per layer."""
+    long = [r for r, n in enumerate(seq_lens) if n > LONG_QUERY]
+    if len(long) == 0 or len(seq_lens) == 1:
+        return [AttentionPart(None, BatchLayout.build(seq_lens, caches, device))]
+    offsets = [0]
+    for n in seq_lens:
+        offsets.append(offsets[-1] + n)
+    parts = []
+    short = [r for r, n in enumerate(seq_lens) if n <= LONG_QUERY]
+    if short:
+        index = torch.cat([torch.arange(offsets[r], offsets[r + 1]) for r in short]).to(device)
+        parts.append(AttentionPart(index, BatchLayout.build(
+            [seq_lens[r] for r in short], None if caches is None else [caches[r] for r in short], device)))
+    for r in long:
+        parts.append(AttentionPart(slice(offsets[r], offsets[r + 1]), BatchLayout.build(
+            [seq_lens[r]], None if caches is None else [caches[r]], device)))
+    return parts
+
+
+def attend_parts(
+    parts: list[AttentionPart], layer_idx: int,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # (N, Hq, D), (N, Hkv, D) x2
+    scale: float, window: int | None = None, softcap: float | None = None,
+) -> torch.Tensor:  # (N, Hq*D)
+    """Store the layer's new keys/values and attend, one call per part (one in a decode or verify step)."""
+    if len(parts) == 1 and parts[0].tokens is None:
+        keys, values = parts[0].layout.store_and_read(layer_idx, k, v)
+        return batched_attention(q, keys, values, parts[0].layout, scale, window, softcap)
+    out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+    for part in parts:
+        sel = part.tokens
+        keys, values = part.layout.store_and_read(layer_idx, k[sel], v[sel])
+        out[sel] = batched_attention(q[sel], keys, values, part.layout, scale, window, softcap)
+    return out
+
+
+def batched_attention(
+    q: torch.Tensor,  # (N, Hq, D)
+    keys: torch.Tensor,  # (R, Hkv, S, D)
+    values: torch.Tensor,  # (R, Hkv, S, D)
+    layout: BatchLayout,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:  # (N, Hq*D)
+    R, Hkv, S, D = keys.shape
+    Hq, T = q.shape[1], layout.rows
+    g = Hq // Hkv
+    mask = layout.mask(window)  # (R, T, S)
+    qp = layout.pad_rows(q)  # (R, T, Hq, D)
+    if q.is_cuda and softcap is None:  # fused kernels; masked rows of padding see key 0 at least
+        out = F.scaled_dot_product_attention(
+            qp.transpose(1, 2), keys, values, attn_mask=mask[:, None], scale=scale, enable_gqa=g > 1,
+        ).transpose(1, 2)  # (R, T, Hq, D)
+        return layout.unpad_rows(out.reshape(R, T, Hq * D))
+    # grouped matmuls: query head h reads KV head h // g, so (Hq, T) rows become (Hkv, g*T) rows, no K/V repeat
+    qg = qp.view(R, T, Hkv, g, D).permute(0, 2, 3, 1, 4).reshape(R, Hkv, g * T, D)  # (R, Hkv, g*T, D)
+    chunk = max(1, _MAX_SCORES // max(1, R * Hkv * g * S))  # query rows per matmul
+    outs = []
+    for t0 in range(0, T, chunk):  # one pass unless a long prefill block would make the scores too big
+        t1 = min(T, t0 + chunk)
+        q_c = qg.view(R, Hkv, g, T, D)[:, :, :, t0:t1].reshape(R, Hkv, g * (t1 - t0), D)
+        scores = (q_c @ keys.transpose(-1, -2)) * scale  # (R, Hkv, g*t, S)
+        if softcap is not None:  # Gemma2 soft-capping
+            scores = torch.tanh(scores / softcap) * softcap
+        scores = scores.view(R, Hkv, g, t1 - t0, S).masked_fill(~mask[:, None, None, t0:t1], float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype).view(R, Hkv, g * (t1 - t0), S)
+        outs.append((probs @ values).view(R, Hkv, g, t1 - t0, D))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=3)  # (R, Hkv, g, T, D)
+    out = out.permute(0, 3, 1, 2, 4).reshape(R, T, Hq * D)  # (R, T, Hq*D)
+    return layout.unpad_rows(out)
