@@ -49,6 +49,7 @@ class BatchLayout:
     pool: KVPool | None = None  # the caches' pool (None: fresh sequences, keys are the batch's own)
     slots: torch.Tensor | None = None  # (R,) slot of each request
     slot_range: tuple[int, int] | None = None  # (first, R) when the slots are consecutive: a view, no gather
+    causal: bool = True  # False: every row sees all of its request's keys (a draft block's own slots too)
     _masks: dict = field(default_factory=dict)
 
     @property
@@ -61,7 +62,7 @@ class BatchLayout:
 
     @classmethod
     def build(cls, seq_lens: list[int], caches: list[KVCache] | None, device: torch.device,
-              pooled: bool = True) -> "BatchLayout":
+              pooled: bool = True, causal: bool = True) -> "BatchLayout":
         """``pooled=False``: positions only (the per-request reference path reads the caches itself)."""
         R = len(seq_lens)
         lens = torch.tensor(seq_lens, dtype=torch.long)  # (R,) metadata is built on the host, then moved
@@ -73,8 +74,9 @@ class BatchLayout:
         layout = cls(
             seq_lens=seq_lens, positions=(starts[token_req] + token_row).to(device),
             token_req=token_req.to(device), token_row=token_row.to(device), q_positions=q_positions.to(device),
-            kv_len=T, uniform=min(seq_lens) == T,
+            kv_len=T, uniform=min(seq_lens) == T, causal=causal,
         )
+        layout._ends = (starts + lens).to(device)  # (R,) one past each request's last key
         if caches is not None and pooled:
             pool = caches[0].pool
             slots = [c.slot for c in caches]
@@ -89,7 +91,10 @@ class BatchLayout:
         if window not in self._masks:
             k_pos = torch.arange(self.kv_len, device=self.q_positions.device)
             q_pos = self.q_positions[:, :, None]  # (R, T, 1)
-            allowed = k_pos[None, None, :] <= q_pos
+            if self.causal:
+                allowed = k_pos[None, None, :] <= q_pos
+            else:  # (R, 1, S), broadcast over the rows
+                allowed = (k_pos[None, None, :] < self._ends[:, None, None]).expand(-1, self.rows, -1)
             if window is not None:
                 allowed &= k_pos[None, None, :] > q_pos - window
             self._masks[window] = allowed
