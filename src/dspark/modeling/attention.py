@@ -2,21 +2,29 @@
 
 The decoder concatenates the requests' tokens (N = Σ n_r); their KV caches are slots of one
 ``KVPool`` tensor. ``BatchLayout`` says, once per forward, where every token sits (request, row,
-absolute position, slot) and holds the masks; each layer then writes its new keys/values into the
-pool with one indexed store and attends with one batched matmul over the padded block
-(R requests x T query rows x S key positions), as vLLM's attention metadata does for its kernels.
+absolute position, slot) and which key blocks of the pool each request reads; each layer then writes
+its new keys/values into the pool with one indexed store and attends with one set of batched tensor
+operations, as vLLM's attention metadata does for its kernels.
+
+Keys are read in blocks of ``BLOCK`` positions (a request of S keys reads ceil(S / BLOCK) blocks, so a
+batch costs Σ S_r, not R x max S_r): every (request, block) pair gets its scores, its running maximum,
+its sum of exponentials and its weighted sum of values in one batched matmul, and the blocks of a
+request are then combined in order (the split softmax of flash-decoding):
+
+    m_b = max_j s_bj,  l_b = Σ_j exp(s_bj - m_b),  o_b = Σ_j exp(s_bj - m_b) v_j
+    out = Σ_b exp(m_b - M) o_b / Σ_b exp(m_b - M) l_b,   M = max_b m_b
 
 Load independence (CPU): a query row's output is computed the same way whatever else is in the batch.
-Key lengths are padded to whole ``BLOCK``s and masked positions weigh exactly 0 (their values are
-finite: the pool starts zeroed), so a row's scores, softmax and weighted sum see the same numbers in
-the same places whether the batch pads S to its own length or a longer neighbour's; query rows are
-rows of the matmuls, which oneDNN computes alike whatever their number (docs/architecture.md §Making
-a step cheap). Prefill chunks use the same path, so a prompt fed in pieces gives the rows it gives
-whole. ``tests/modeling/test_attention.py`` checks this bitwise; ``TargetModel.load_gap`` measures it
-on a real model. On a GPU the block goes to SDPA (fused kernels; no such guarantee).
+Its blocks are the same blocks at the same absolute positions, every block has the same shape, masked
+positions weigh exactly 0, and the combination adds its blocks in their order; query rows are rows of
+the matmuls, which oneDNN computes alike whatever their number (docs/architecture.md §Making a step
+cheap). Prefill pieces go the same way, so a prompt fed in pieces gives the rows it gives whole.
+``tests/modeling/test_attention.py`` checks this bitwise in bfloat16. On a GPU the padded block goes to
+SDPA (fused kernels; no such guarantee).
 
-Shapes: R = requests, N = tokens, T = most query rows of one request, S = key positions read
-(padded to BLOCK), Hq / Hkv = query / KV heads, g = Hq / Hkv, D = head dim.
+Shapes: R = requests, N = tokens, T = most query rows of one request, B = key blocks read (all
+requests), L = BLOCK, S = padded key length (GPU path), Hq / Hkv = query / KV heads, g = Hq / Hkv,
+D = head dim, P = slots, C = capacity.
 """
 
 from __future__ import annotations
@@ -50,6 +58,10 @@ class BatchLayout:
     slots: torch.Tensor | None = None  # (R,) slot of each request
     slot_range: tuple[int, int] | None = None  # (first, R) when the slots are consecutive: a view, no gather
     causal: bool = True  # False: every row sees all of its request's keys (a draft block's own slots too)
+    ends: torch.Tensor | None = None  # (R,) one past each request's last key
+    block_req: torch.Tensor | None = None  # (B,) request of each key block read
+    block_slot: torch.Tensor | None = None  # (B,) its slot (row of the key source)
+    block_index: torch.Tensor | None = None  # (B,) its index inside the slot (positions index*L .. index*L+L-1)
     _masks: dict = field(default_factory=dict)
 
     @property
@@ -74,17 +86,25 @@ class BatchLayout:
         layout = cls(
             seq_lens=seq_lens, positions=(starts[token_req] + token_row).to(device),
             token_req=token_req.to(device), token_row=token_row.to(device), q_positions=q_positions.to(device),
-            kv_len=T, uniform=min(seq_lens) == T, causal=causal,
+            kv_len=T, uniform=min(seq_lens) == T, causal=causal, ends=(starts + lens).to(device),
         )
-        layout._ends = (starts + lens).to(device)  # (R,) one past each request's last key
         if caches is not None and pooled:
             pool = caches[0].pool
             slots = [c.slot for c in caches]
             layout.pool = pool
             layout.kv_len = min(-(-int((starts + lens).max()) // BLOCK) * BLOCK, pool.capacity)
-            layout.slots = torch.tensor(slots, dtype=torch.long, device=device)
+            slot_ids = torch.tensor(slots, dtype=torch.long)
             if slots == list(range(slots[0], slots[0] + R)):
                 layout.slot_range = (slots[0], R)
+        else:  # keys are the batch's own, padded: request r is row r
+            slot_ids = torch.arange(R)
+            layout.kv_len = -(-T // BLOCK) * BLOCK
+        layout.slots = slot_ids.to(device)
+        blocks = -(-(starts + lens) // BLOCK)  # (R,) key blocks per request
+        block_req = torch.repeat_interleave(torch.arange(R), blocks)  # (B,)
+        layout.block_req = block_req.to(device)
+        layout.block_slot = slot_ids[block_req].to(device)
+        layout.block_index = (torch.arange(int(blocks.sum())) - (blocks.cumsum(0) - blocks)[block_req]).to(device)
         return layout
 
     def mask(self, window: int | None) -> torch.Tensor:  # (R, T, S) bool, True = may attend
@@ -94,11 +114,25 @@ class BatchLayout:
             if self.causal:
                 allowed = k_pos[None, None, :] <= q_pos
             else:  # (R, 1, S), broadcast over the rows
-                allowed = (k_pos[None, None, :] < self._ends[:, None, None]).expand(-1, self.rows, -1)
+                allowed = (k_pos[None, None, :] < self.ends[:, None, None]).expand(-1, self.rows, -1)
             if window is not None:
                 allowed &= k_pos[None, None, :] > q_pos - window
             self._masks[window] = allowed
         return self._masks[window]
+
+    def block_mask(self, window: int | None) -> torch.Tensor:  # (B, T, L) bool, True = may attend
+        key = ("blocks", window)
+        if key not in self._masks:
+            k_pos = self.block_index[:, None] * BLOCK + torch.arange(BLOCK, device=self.block_index.device)  # (B, L)
+            q_pos = self.q_positions[self.block_req][:, :, None]  # (B, T, 1)
+            if self.causal:
+                allowed = k_pos[:, None, :] <= q_pos
+                if window is not None:
+                    allowed &= k_pos[:, None, :] > q_pos - window
+            else:
+                allowed = (k_pos < self.ends[self.block_req][:, None])[:, None, :].expand(-1, self.rows, -1)
+            self._masks[key] = allowed
+        return self._masks[key]
 
     def pad_rows(self, x: torch.Tensor) -> torch.Tensor:  # (N, ...) -> (R, T, ...)
         R, T = self.num_requests, self.rows
@@ -115,20 +149,29 @@ class BatchLayout:
 
     def store_and_read(
         self, layer_idx: int, k: torch.Tensor, v: torch.Tensor,  # (N, Hkv, D) x2
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # keys, values (R, Hkv, S, D)
-        """Write the batch's new keys/values into the pool (or pad them, without a pool) and return what each
-        request attends over."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # keys, values (P, Hkv, C, D): row block_slot[b] holds block b
+        """Write the batch's new keys/values into the pool (or pad them, without a pool) and return where the
+        key blocks are read from."""
         if self.pool is None:
-            return self.pad_rows(k).transpose(1, 2), self.pad_rows(v).transpose(1, 2)
+            S = self.kv_len
+            keys = k.new_zeros(self.num_requests, S, *k.shape[1:])  # (R, S, Hkv, D)
+            values = torch.zeros_like(keys)
+            keys[self.token_req, self.token_row] = k
+            values[self.token_req, self.token_row] = v
+            return keys.transpose(1, 2), values.transpose(1, 2)
         keys, values = self.pool.keys[layer_idx], self.pool.values[layer_idx]  # (P, Hkv, C, D)
         slot_of_token = self.slots[self.token_req]  # (N,)
         keys[slot_of_token, :, self.positions] = k
         values[slot_of_token, :, self.positions] = v
+        return keys, values
+
+    def padded(self, source: torch.Tensor) -> torch.Tensor:  # (P, Hkv, C, D) -> (R, Hkv, S, D)
+        """Each request's first S keys (the GPU path's SDPA block): a view when the slots are consecutive."""
         S = self.kv_len
         if self.slot_range is not None:
             first, R = self.slot_range
-            return keys[first : first + R, :, :S], values[first : first + R, :, :S]
-        return keys[:, :, :S].index_select(0, self.slots), values[:, :, :S].index_select(0, self.slots)
+            return source[first : first + R, :, :S]
+        return source[:, :, :S].index_select(0, self.slots)
 
 
 @dataclass
@@ -179,36 +222,51 @@ def attend_parts(
 
 def batched_attention(
     q: torch.Tensor,  # (N, Hq, D)
-    keys: torch.Tensor,  # (R, Hkv, S, D)
-    values: torch.Tensor,  # (R, Hkv, S, D)
+    keys: torch.Tensor,  # (P, Hkv, C, D) from store_and_read
+    values: torch.Tensor,  # (P, Hkv, C, D)
     layout: BatchLayout,
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:  # (N, Hq*D)
-    R, Hkv, S, D = keys.shape
-    Hq, T = q.shape[1], layout.rows
+    P, Hkv, C, D = keys.shape
+    Hq, T, R = q.shape[1], layout.rows, layout.num_requests
     g = Hq // Hkv
-    mask = layout.mask(window)  # (R, T, S)
     qp = layout.pad_rows(q)  # (R, T, Hq, D)
-    if q.is_cuda and softcap is None:  # fused kernels; masked rows of padding see key 0 at least
+    if q.is_cuda and softcap is None:  # fused kernels over the padded block
         out = F.scaled_dot_product_attention(
-            qp.transpose(1, 2), keys, values, attn_mask=mask[:, None], scale=scale, enable_gqa=g > 1,
+            qp.transpose(1, 2), layout.padded(keys), layout.padded(values), attn_mask=layout.mask(window)[:, None],
+            scale=scale, enable_gqa=g > 1,
         ).transpose(1, 2)  # (R, T, Hq, D)
         return layout.unpad_rows(out.reshape(R, T, Hq * D))
-    # grouped matmuls: query head h reads KV head h // g, so (Hq, T) rows become (Hkv, g*T) rows, no K/V repeat
-    qg = qp.view(R, T, Hkv, g, D).permute(0, 2, 3, 1, 4).reshape(R, Hkv, g * T, D)  # (R, Hkv, g*T, D)
-    chunk = max(1, _MAX_SCORES // max(1, R * Hkv * g * S))  # query rows per matmul
+    # the key blocks every request reads, gathered from the pool: (B, Hkv, L, D)
+    kb = keys.view(P, Hkv, C // BLOCK, BLOCK, D)[layout.block_slot, :, layout.block_index]
+    vb = values.view(P, Hkv, C // BLOCK, BLOCK, D)[layout.block_slot, :, layout.block_index]
+    B = kb.shape[0]
+    # grouped queries: query head h reads KV head h // g, so (Hq, T) rows become (Hkv, g*T) rows, no K/V repeat
+    qg = qp.view(R, T, Hkv, g, D).permute(0, 2, 3, 1, 4)  # (R, Hkv, g, T, D)
+    mask = layout.block_mask(window)  # (B, T, L)
+    chunk = max(1, _MAX_SCORES // max(1, B * Hkv * g * BLOCK))  # query rows per pass (long prefill pieces)
     outs = []
-    for t0 in range(0, T, chunk):  # one pass unless a long prefill block would make the scores too big
+    for t0 in range(0, T, chunk):
         t1 = min(T, t0 + chunk)
-        q_c = qg.view(R, Hkv, g, T, D)[:, :, :, t0:t1].reshape(R, Hkv, g * (t1 - t0), D)
-        scores = (q_c @ keys.transpose(-1, -2)) * scale  # (R, Hkv, g*t, S)
+        t = t1 - t0
+        qb = qg[:, :, :, t0:t1][layout.block_req].reshape(B, Hkv, g * t, D)  # (B, Hkv, g*t, D)
+        scores = (qb @ kb.transpose(-1, -2)) * scale  # (B, Hkv, g*t, L)
         if softcap is not None:  # Gemma2 soft-capping
             scores = torch.tanh(scores / softcap) * softcap
-        scores = scores.view(R, Hkv, g, t1 - t0, S).masked_fill(~mask[:, None, None, t0:t1], float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype).view(R, Hkv, g * (t1 - t0), S)
-        outs.append((probs @ values).view(R, Hkv, g, t1 - t0, D))
+        scores = scores.view(B, Hkv, g, t, BLOCK).float().masked_fill(~mask[:, None, None, t0:t1], float("-inf"))
+        block_max = scores.amax(-1)  # (B, Hkv, g, t) m_b; -inf where a row sees nothing of the block
+        safe_max = block_max.masked_fill(block_max == float("-inf"), 0.0)
+        weights = torch.exp(scores - safe_max[..., None])  # (B, Hkv, g, t, L), 0 where masked
+        block_sum = weights.sum(-1)  # (B, Hkv, g, t) l_b
+        block_out = (weights.to(q.dtype).view(B, Hkv, g * t, BLOCK) @ vb).view(B, Hkv, g, t, D).float()  # o_b
+        # combine each request's blocks: M = max_b m_b, out = Σ exp(m_b - M) o_b / Σ exp(m_b - M) l_b
+        req_max = block_max.new_full((R, Hkv, g, t), float("-inf"))
+        req_max.scatter_reduce_(0, layout.block_req[:, None, None, None].expand_as(block_max), block_max, "amax")
+        rescale = torch.exp(block_max - req_max[layout.block_req])  # (B, Hkv, g, t), 0 for blocks seen not at all
+        total = torch.zeros_like(req_max).index_add_(0, layout.block_req, rescale * block_sum)  # (R, Hkv, g, t)
+        summed = block_out.new_zeros(R, Hkv, g, t, D).index_add_(0, layout.block_req, rescale[..., None] * block_out)
+        outs.append((summed / total[..., None]).to(q.dtype))  # (R, Hkv, g, t, D)
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=3)  # (R, Hkv, g, T, D)
-    out = out.permute(0, 3, 1, 2, 4).reshape(R, T, Hq * D)  # (R, T, Hq*D)
-    return layout.unpad_rows(out)
+    return layout.unpad_rows(out.permute(0, 3, 1, 2, 4).reshape(R, T, Hq * D))
