@@ -120,6 +120,13 @@ class BatchLayout:
             self._masks[window] = allowed
         return self._masks[window]
 
+    def block_bias(self, window: int | None) -> torch.Tensor:  # (B, 1, 1, T, L) float32: 0 = may attend, -inf
+        key = ("bias", window)
+        if key not in self._masks:
+            bias = torch.zeros(self.block_mask(window).shape, device=self.block_index.device)
+            self._masks[key] = bias.masked_fill_(~self.block_mask(window), float("-inf"))[:, None, None]
+        return self._masks[key]
+
     def block_mask(self, window: int | None) -> torch.Tensor:  # (B, T, L) bool, True = may attend
         key = ("blocks", window)
         if key not in self._masks:
@@ -245,7 +252,7 @@ def batched_attention(
     B = kb.shape[0]
     # grouped queries: query head h reads KV head h // g, so (Hq, T) rows become (Hkv, g*T) rows, no K/V repeat
     qg = qp.view(R, T, Hkv, g, D).permute(0, 2, 3, 1, 4)  # (R, Hkv, g, T, D)
-    mask = layout.block_mask(window)  # (B, T, L)
+    bias = layout.block_bias(window)  # (B, 1, 1, T, L)
     chunk = max(1, _MAX_SCORES // max(1, B * Hkv * g * BLOCK))  # query rows per pass (long prefill pieces)
     outs = []
     for t0 in range(0, T, chunk):
@@ -255,10 +262,10 @@ def batched_attention(
         scores = (qb @ kb.transpose(-1, -2)) * scale  # (B, Hkv, g*t, L)
         if softcap is not None:  # Gemma2 soft-capping
             scores = torch.tanh(scores / softcap) * softcap
-        scores = scores.view(B, Hkv, g, t, BLOCK).float().masked_fill(~mask[:, None, None, t0:t1], float("-inf"))
-        block_max = scores.amax(-1)  # (B, Hkv, g, t) m_b; -inf where a row sees nothing of the block
-        safe_max = block_max.masked_fill(block_max == float("-inf"), 0.0)
-        weights = torch.exp(scores - safe_max[..., None])  # (B, Hkv, g, t, L), 0 where masked
+        scores = torch.add(scores.view(B, Hkv, g, t, BLOCK), bias[..., t0:t1, :])  # float32, -inf where masked
+        # m_b, kept finite where a row sees nothing of the block (its weights and rescale are then exactly 0)
+        block_max = scores.amax(-1).clamp_min_(-1e30)  # (B, Hkv, g, t)
+        weights = torch.exp(scores - block_max[..., None])  # (B, Hkv, g, t, L), 0 where masked
         block_sum = weights.sum(-1)  # (B, Hkv, g, t) l_b
         block_out = (weights.to(q.dtype).view(B, Hkv, g * t, BLOCK) @ vb).view(B, Hkv, g, t, D).float()  # o_b
         # combine each request's blocks: M = max_b m_b, out = Σ exp(m_b - M) o_b / Σ exp(m_b - M) l_b
