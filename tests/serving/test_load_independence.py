@@ -24,6 +24,7 @@ from dspark.target.model import cpu_has_bf16_matmul
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.timeout(1800),  # 16 x 64 tokens twice, plus loading SmolLM2, on a busy 2-core machine
     pytest.mark.skipif(not cpu_has_bf16_matmul(), reason="bf16 batch invariance needs native bf16 matmuls"),
 ]
 

@@ -1,9 +1,10 @@
 """A causal decoder that runs a flattened, variable-length batch.
 
 Requests are concatenated along the token axis (N = Σ n_r); linear layers run
-once over all tokens, attention runs per request against that request's own
-KV cache. This is the shape of a verify step in serving: every request
-contributes 1 + verify_len tokens to one forward pass.
+once over all tokens, and attention runs once per layer for the whole batch over
+the requests' KV caches, slots of one ``KVPool`` (``dspark.modeling.attention``).
+This is the shape of a verify step in serving: every request contributes
+1 + verify_len tokens to one forward pass.
 
 Batch invariance (``batch_invariant``, CPU bfloat16): oneDNN computes a
 one-row matmul (a GEMV) with another reduction order than a matmul of two or
