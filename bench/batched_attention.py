@@ -17,6 +17,7 @@ SDPA, whose rounding differs, so a greedy near-tie can go the other way).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -80,10 +81,11 @@ def main() -> None:
     table = markdown_table(["batch", "per-request tok/s", "batched tok/s", "ratio", "decode per-request",
                             "decode batched", "decode ratio", "same tokens"], rows)
     command = "PYTHONPATH=src python bench/batched_attention.py " + " ".join(sys.argv[1:])
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     page = (f"# Batched attention: offline plain decoding\n\nWritten by `{command}`\n"
             f"(torch {torch.__version__}, {torch.get_num_threads()} thread(s), SmolLM2-135M bfloat16, greedy, "
             f"{args.max_new_tokens} new tokens per request, prompts cut to {args.max_prompt_tokens} tokens, best of "
-            f"{args.repeats}).\n\n"
+            f"{args.repeats}; load average at the end {load}).\n\n"
             "Generated tokens per second of `SpeculativeGenerator` with no drafter; \"decode\" columns leave the "
             "prefill out. Both paths ran in this process, alternating; \"same tokens\": both emitted identical "
             "output (they need not: the per-request path attends prefill blocks of more than 16 rows with SDPA, "
