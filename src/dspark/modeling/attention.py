@@ -38,8 +38,8 @@ from dspark.modeling.kv_cache import BLOCK, KVCache, KVPool
 
 #: most float32 score elements one matmul may produce; longer query blocks are split into row chunks
 _MAX_SCORES = 1 << 24
-#: requests with more query rows than this (prefill pieces) attend on their own: padding every request of a
-#: batch to the longest prompt would multiply the work, and a prefill piece is heavy enough to pay one call
+#: requests with more query rows than this (prefill pieces) attend on their own: padding every request's queries
+#: to the longest piece would multiply the work, and a prefill piece is heavy enough to pay a call of its own
 LONG_QUERY = 16
 
 
@@ -52,7 +52,7 @@ class BatchLayout:
     token_req: torch.Tensor  # (N,) request of each token
     token_row: torch.Tensor  # (N,) row of each token inside its request
     q_positions: torch.Tensor  # (R, T) absolute position of each padded query row
-    kv_len: int  # S: key positions read per request (a multiple of BLOCK when cached)
+    kv_len: int  # S: the longest request's keys rounded up to BLOCK (the GPU path's padded block)
     uniform: bool  # every request has T rows: padding is a reshape
     pool: KVPool | None = None  # the caches' pool (None: fresh sequences, keys are the batch's own)
     slots: torch.Tensor | None = None  # (R,) slot of each request
