@@ -62,6 +62,7 @@ class BatchLayout:
     block_req: torch.Tensor | None = None  # (B,) request of each key block read
     block_slot: torch.Tensor | None = None  # (B,) its slot (row of the key source)
     block_index: torch.Tensor | None = None  # (B,) its index inside the slot (positions index*L .. index*L+L-1)
+    single_slot: int | None = None  # the slot when the layout has one request (its blocks are then a view)
     _masks: dict = field(default_factory=dict)
 
     @property
@@ -100,6 +101,7 @@ class BatchLayout:
             slot_ids = torch.arange(R)
             layout.kv_len = -(-T // BLOCK) * BLOCK
         layout.slots = slot_ids.to(device)
+        layout.single_slot = int(slot_ids[0]) if R == 1 else None
         blocks = -(-(starts + lens) // BLOCK)  # (R,) key blocks per request
         block_req = torch.repeat_interleave(torch.arange(R), blocks)  # (B,)
         layout.block_req = block_req.to(device)
@@ -246,10 +248,14 @@ def batched_attention(
             scale=scale, enable_gqa=g > 1,
         ).transpose(1, 2)  # (R, T, Hq, D)
         return layout.unpad_rows(out.reshape(R, T, Hq * D))
-    # the key blocks every request reads, gathered from the pool: (B, Hkv, L, D)
-    kb = keys.view(P, Hkv, C // BLOCK, BLOCK, D)[layout.block_slot, :, layout.block_index]
-    vb = values.view(P, Hkv, C // BLOCK, BLOCK, D)[layout.block_slot, :, layout.block_index]
-    B = kb.shape[0]
+    B = layout.block_req.shape[0]
+    one = layout.single_slot  # one request (a lone stream, a prefill piece): its blocks are a view of its slot
+    if one is not None:
+        k_one = keys[one, :, : B * BLOCK]  # (Hkv, B*L, D)
+        vb = values[one, :, : B * BLOCK].view(Hkv, B, BLOCK, D).transpose(0, 1)  # (B, Hkv, L, D)
+    else:  # the key blocks every request reads, gathered from the pool: (B, Hkv, L, D)
+        kb = keys.view(P, Hkv, C // BLOCK, BLOCK, D)[layout.block_slot, :, layout.block_index]
+        vb = values.view(P, Hkv, C // BLOCK, BLOCK, D)[layout.block_slot, :, layout.block_index]
     # grouped queries: query head h reads KV head h // g, so (Hq, T) rows become (Hkv, g*T) rows, no K/V repeat
     qg = qp.view(R, T, Hkv, g, D).permute(0, 2, 3, 1, 4)  # (R, Hkv, g, T, D)
     bias = layout.block_bias(window)  # (B, 1, 1, T, L)
@@ -258,11 +264,15 @@ def batched_attention(
     for t0 in range(0, T, chunk):
         t1 = min(T, t0 + chunk)
         t = t1 - t0
-        qb = qg[:, :, :, t0:t1][layout.block_req].reshape(B, Hkv, g * t, D)  # (B, Hkv, g*t, D)
-        scores = (qb @ kb.transpose(-1, -2)) * scale  # (B, Hkv, g*t, L)
+        if one is not None:  # one matmul over the slot, cut into blocks: bitwise the per-block products
+            q_one = qg[0, :, :, t0:t1].reshape(Hkv, g * t, D)
+            scores = (q_one @ k_one.transpose(-1, -2)).view(Hkv, g * t, B, BLOCK).permute(2, 0, 1, 3) * scale
+        else:
+            qb = qg[:, :, :, t0:t1][layout.block_req].reshape(B, Hkv, g * t, D)  # (B, Hkv, g*t, D)
+            scores = (qb @ kb.transpose(-1, -2)) * scale  # (B, Hkv, g*t, L)
         if softcap is not None:  # Gemma2 soft-capping
             scores = torch.tanh(scores / softcap) * softcap
-        scores = torch.add(scores.view(B, Hkv, g, t, BLOCK), bias[..., t0:t1, :])  # float32, -inf where masked
+        scores = torch.add(scores.reshape(B, Hkv, g, t, BLOCK), bias[..., t0:t1, :])  # float32, -inf where masked
         # m_b, kept finite where a row sees nothing of the block (its weights and rescale are then exactly 0)
         block_max = scores.amax(-1).clamp_min_(-1e30)  # (B, Hkv, g, t)
         weights = torch.exp(scores - block_max[..., None])  # (B, Hkv, g, t, L), 0 where masked
