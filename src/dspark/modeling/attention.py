@@ -17,8 +17,8 @@ request are then combined in order (the split softmax of flash-decoding):
 Load independence (CPU): a query row's output is computed the same way whatever else is in the batch.
 Its blocks are the same blocks at the same absolute positions, every block has the same shape, masked
 positions weigh exactly 0, and the combination adds its blocks in their order; query rows are rows of
-the matmuls, which oneDNN computes alike whatever their number (docs/architecture.md §Making a step
-cheap). Prefill pieces go the same way, so a prompt fed in pieces gives the rows it gives whole.
+the matmuls, which oneDNN computes alike whatever their number
+(docs/architecture.md §Making a step cheap). Prefill pieces go the same way, so a prompt fed in pieces gives the rows it gives whole.
 ``tests/modeling/test_attention.py`` checks this bitwise in bfloat16. On a GPU the padded block goes to
 SDPA (fused kernels; no such guarantee).
 
