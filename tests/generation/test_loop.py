@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dspark.drafters.base import NoDrafter
+from dspark.drafters.base import NoDrafter, RequestState
 from dspark.drafters.draft_lm.drafter import DraftModelDrafter
 from dspark.drafters.prompt_lookup import PromptLookupDrafter, lookup_continuation
 from dspark.generation.generator import SpeculativeGenerator
@@ -168,3 +168,20 @@ def test_the_loop_takes_a_verify_policy_bare_or_adapted():
         assert [r.output_ids for r in out] == ref
         assert all(r.stats.counts[p][a] == 0 for r in out for p in range(2, 5) for a in range(p + 1))
         assert sum(r.stats.num_accepted for r in out) > 0
+
+
+def test_target_probs_of_the_batch_equal_one_call_per_request():
+    from dspark.generation.step import _target_probs
+    from dspark.sampling.processing import logits_to_probs
+
+    settings = [SamplingParams(1.0, top_p=0.9), SamplingParams(0.0), SamplingParams(1.0, top_p=0.9),
+                SamplingParams(0.7, top_k=5)]
+    requests = [RequestState(str(i), 1, [1], s, None) for i, s in enumerate(settings)]
+    seq_lens = [3, 1, 4, 2]
+    logits = torch.randn(sum(seq_lens), 50, generator=torch.Generator().manual_seed(0))
+    got = _target_probs(logits, requests, seq_lens, K=3)
+    offset = 0
+    for r, (s, n) in enumerate(zip(settings, seq_lens)):
+        want = logits_to_probs(logits[offset : offset + n], s.temperature, s.top_k, s.top_p)
+        assert torch.equal(got[r, :n], want) and not got[r, n:].any()
+        offset += n

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dspark.modeling.kv_cache import BLOCK
 from dspark.target.model import TargetModel, default_target_layer_ids
 from tests.tiny import tiny_target
 
@@ -88,7 +89,7 @@ def test_cache_stops_at_the_context_length():
     cache = target.new_cache(capacity=4)
     target.forward(_ids(10, 0), [10], [cache])
     target.forward(_ids(6, 1), [6], [cache])
-    assert cache.length == 16 and cache.capacity == 16  # growth is capped at the context
+    assert cache.length == 16 and cache.capacity == BLOCK  # growth is capped at the context, rounded up to a block
     with pytest.raises(ValueError, match="exceeds the context of 16"):
         target.forward(_ids(1, 2), [1], [cache])
 

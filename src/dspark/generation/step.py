@@ -108,6 +108,31 @@ def _check_finished(req: RequestState, new_tokens: list[int], stop_ids: set[int]
         req.finished, req.finish_reason = True, "length"
 
 
+def _target_probs(
+    logits: torch.Tensor,  # (N, V) verify logits, requests concatenated
+    requests: list[RequestState],
+    seq_lens: list[int],  # (R,) 1 + verify_len per request
+    K: int,
+) -> torch.Tensor:  # (R, K+1, V) float32, zero past each request's rows
+    """``logits_to_probs`` for the whole batch: one call per distinct (temperature, top-k, top-p), not per request
+    (every operation in it works row by row, so each row is what a call of its own would give)."""
+    R, V = len(requests), logits.shape[-1]
+    lens = torch.tensor(seq_lens)
+    token_req = torch.repeat_interleave(torch.arange(R), lens)  # (N,)
+    token_row = torch.arange(int(lens.sum())) - (lens.cumsum(0) - lens)[token_req]  # (N,)
+    settings: dict[tuple, list[int]] = {}
+    for r, req in enumerate(requests):
+        s = req.sampling
+        settings.setdefault((s.temperature, s.top_k, s.top_p), []).append(r)
+    target_probs = torch.zeros(R, K + 1, V, device=logits.device)
+    for (temperature, top_k, top_p), rows in settings.items():
+        take = torch.isin(token_req, torch.tensor(rows)) if len(rows) < R else torch.ones_like(token_req, dtype=torch.bool)
+        index = take.nonzero().squeeze(-1)  # (M,) tokens of these requests
+        probs = logits_to_probs(logits[index.to(logits.device)], temperature, top_k, top_p)  # (M, V)
+        target_probs[token_req[index].to(logits.device), token_row[index].to(logits.device)] = probs
+    return target_probs
+
+
 def speculative_step(
     target: TargetModel,
     drafter: Drafter,
@@ -148,14 +173,8 @@ def speculative_step(
             rows.append(drafted[r, : vl[r]])
     out = target.forward(torch.cat(rows), seq_lens, caches, drafter.target_layer_ids, logits_for="all")
 
+    target_probs = _target_probs(out.logits, requests, seq_lens, K)  # (R, K+1, V)
     V, dev = target.vocab_size, out.logits.device
-    target_probs = torch.zeros(R, K + 1, V, device=dev)  # (R, K+1, V)
-    offset = 0
-    for r, req in enumerate(requests):
-        s = req.sampling
-        n = seq_lens[r]
-        target_probs[r, :n] = logits_to_probs(out.logits[offset : offset + n], s.temperature, s.top_k, s.top_p)
-        offset += n
     if K:
         draft_tokens = block.tokens[:, :K].to(dev)  # the sampler runs where the target's probs are
         draft_probs = block.draft_probs[:, :K].to(dev)

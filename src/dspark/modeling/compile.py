@@ -1,7 +1,7 @@
 """``--compile``: torch.compile the dense parts of every decoder layer (docs/architecture.md §Making a step cheap).
 
-Attention stays eager: it reads per-request caches of different lengths, and the
-grouped-matmul path is already one matmul per request. What is compiled is what
+Attention stays eager: it reads the KV pool in blocks whose number changes from
+step to step, and is already a few batched operations per layer. What is compiled is what
 surrounds it — RMSNorm, the q/k/v projections with RoPE before, and o_proj, both
 residual branches and the MLP after — so inductor can fuse the element-wise work
 around the matmuls. Shapes are marked dynamic (N = tokens in the step varies), so

@@ -1,9 +1,10 @@
 """A causal decoder that runs a flattened, variable-length batch.
 
 Requests are concatenated along the token axis (N = Σ n_r); linear layers run
-once over all tokens, attention runs per request against that request's own
-KV cache. This is the shape of a verify step in serving: every request
-contributes 1 + verify_len tokens to one forward pass.
+once over all tokens, and attention runs once per layer for the whole batch over
+the requests' KV caches, slots of one ``KVPool`` (``dspark.modeling.attention``).
+This is the shape of a verify step in serving: every request contributes
+1 + verify_len tokens to one forward pass.
 
 Batch invariance (``batch_invariant``, CPU bfloat16): oneDNN computes a
 one-row matmul (a GEMV) with another reduction order than a matmul of two or
@@ -26,7 +27,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dspark.modeling.kv_cache import KVCache
+from dspark.modeling.attention import BatchLayout, attend_parts, plan_attention
+from dspark.modeling.kv_cache import KVCache, KVPool
 from dspark.modeling.layers import DecoderLayer, RMSNorm, Rope
 from dspark.modeling.spec import DecoderSpec
 
@@ -53,6 +55,7 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.norm_offset)
         self.batch_invariant = False  # run a lone row as two (see the module docstring)
+        self.attention = "batched"  # or "per-request": the reference loop (benchmarks)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # (N,) -> (N, H)
         x = self.embed_tokens(input_ids)
@@ -67,12 +70,14 @@ class Decoder(nn.Module):
         caches: list[KVCache] | None = None,  # one per request; None = fresh sequences, no cache
         capture_layers: list[int] | None = None,  # layer ids whose outputs to return
     ) -> tuple[torch.Tensor, torch.Tensor | None]:  # last_hidden (N, H) final-normed, features (N, F) or None
-        starts = [c.length for c in caches] if caches is not None else [0] * len(seq_lens)
         if caches is not None:
             for cache, n in zip(caches, seq_lens):
-                cache.reserve(n)
-        device = input_ids.device
-        positions = torch.cat([torch.arange(s, s + n, device=device) for s, n in zip(starts, seq_lens)])  # (N,)
+                cache.reserve(n)  # may grow the pool: before any layer reads it
+        per_request = self.attention == "per-request" or (
+            caches is not None and any(c.pool is not caches[0].pool for c in caches))
+        layout = BatchLayout.build(seq_lens, caches, input_ids.device, pooled=False)  # positions for all
+        parts = None if per_request else plan_attention(seq_lens, caches, input_ids.device)
+        positions = layout.positions  # (N,)
         N = input_ids.shape[0]
         pad = self.batch_invariant and N == 1  # the dense layers see 2 rows, attention the real one
         if pad:
@@ -84,23 +89,13 @@ class Decoder(nn.Module):
         for layer_idx, layer in enumerate(self.layers):
             attn = layer.self_attn
             q, k, v = layer.pre_attention(x, rope.for_layer(attn, x.dtype))  # (N, Hq, D), (N, Hkv, D) x2
-            outs, offset = [], 0
-            for r, n in enumerate(seq_lens):
-                q_r = q[offset : offset + n].transpose(0, 1)  # (Hq, n, D)
-                k_r = k[offset : offset + n].transpose(0, 1)  # (Hkv, n, D)
-                v_r = v[offset : offset + n].transpose(0, 1)
-                if caches is not None:
-                    s = starts[r]
-                    cache = caches[r]
-                    cache.keys[layer_idx, :, s : s + n] = k_r
-                    cache.values[layer_idx, :, s : s + n] = v_r
-                    k_r = cache.keys[layer_idx, :, : s + n]
-                    v_r = cache.values[layer_idx, :, : s + n]
-                mask = causal_mask(positions[offset : offset + n], k_r.shape[1], attn.window)
-                outs.append(attn.attend(q_r, k_r, v_r, mask))
-                offset += n
-            attn_out = torch.cat(outs) if len(outs) > 1 else outs[0]  # (N, Hq*D)
-            x = layer.post_attention(x, attn_out.repeat(2, 1) if pad else attn_out)
+            if pad:
+                q, k, v = q[:N], k[:N], v[:N]
+            if per_request:
+                attn_out = attend_per_request(attn, layer_idx, q, k, v, layout, caches)
+            else:
+                attn_out = attend_parts(parts, layer_idx, q, k, v, attn.scale, attn.window, attn.softcap)
+            x = layer.post_attention(x, attn_out.repeat(2, 1) if pad else attn_out)  # attn_out (N, Hq*D)
             if layer_idx in want:
                 captured[layer_idx] = x[:N]
         if caches is not None:
@@ -108,6 +103,30 @@ class Decoder(nn.Module):
                 cache.length += n
         features = torch.cat([captured[i] for i in capture_layers], dim=-1) if capture_layers else None
         return self.norm(x[:N]), features
+
+
+def attend_per_request(
+    attn, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # (N, Hq, D), (N, Hkv, D) x2
+    layout: BatchLayout, caches: list[KVCache] | None,
+) -> torch.Tensor:  # (N, Hq*D)
+    """The reference path (``Decoder.attention = "per-request"``): a Python loop over requests, each attending
+    over its own cache slot. Kept for benchmarks against the batched path and for caches of different pools."""
+    outs, offset = [], 0
+    for r, n in enumerate(layout.seq_lens):
+        q_r = q[offset : offset + n].transpose(0, 1)  # (Hq, n, D)
+        k_r = k[offset : offset + n].transpose(0, 1)  # (Hkv, n, D)
+        v_r = v[offset : offset + n].transpose(0, 1)
+        if caches is not None:
+            cache = caches[r]
+            s = cache.length
+            cache.keys[layer_idx, :, s : s + n] = k_r
+            cache.values[layer_idx, :, s : s + n] = v_r
+            k_r = cache.keys[layer_idx, :, : s + n]
+            v_r = cache.values[layer_idx, :, : s + n]
+        mask = causal_mask(layout.positions[offset : offset + n], k_r.shape[1], attn.window)
+        outs.append(attn.attend(q_r, k_r, v_r, mask))
+        offset += n
+    return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
 class CausalLM(nn.Module):
@@ -131,6 +150,17 @@ class CausalLM(nn.Module):
         return out
 
     def new_cache(self, capacity: int = 256, max_length: int | None = None) -> KVCache:
-        """An empty cache with the model's dtype, on the model's device."""
+        """An empty cache with the model's dtype, on the model's device: a slot of the model's ``KVPool``, so
+        that all its requests are attended in one call per layer."""
         s, weight = self.spec, self.lm_head.weight
-        return KVCache(s.num_layers, s.num_kv_heads, s.head_dim, capacity, weight.dtype, max_length, weight.device)
+        pool = self.__dict__.get("_kv_pool")
+        if pool is None or pool.keys.dtype != weight.dtype or pool.keys.device != weight.device:
+            pool = KVPool(s.num_layers, s.num_kv_heads, s.head_dim, 1, capacity, weight.dtype, max_length,
+                          weight.device)
+            self.__dict__["_kv_pool"] = pool  # a plain attribute: not a buffer, never in the state dict
+        return pool.allocate(min(capacity, max_length) if max_length is not None else capacity, max_length)
+
+    @property
+    def kv_pool(self) -> KVPool | None:
+        """The pool ``new_cache`` allocates from (None before the first cache)."""
+        return self.__dict__.get("_kv_pool")

@@ -9,7 +9,8 @@ bounded waiting queue with ``submit``; between two steps the engine thread
    prefilled requests to the target (``dspark.generation.step.prefill``; a
    request whose prompt is complete gets its first token and joins the batch),
 4. runs one ``speculative_step`` (draft -> policy -> flattened verify ->
-   commit; per-request KV caches roll back inside it) over all active requests,
+   commit; each request's KV cache, a slot of the target's ``KVPool``, rolls back
+   inside it) over all active requests,
 5. streams each request's committed tokens to its handle and retires the
    finished ones.
 
@@ -354,6 +355,7 @@ class Engine:
         """An internal error in prefill/step: fail those requests, keep serving the others."""
         log.error("engine error: %s\n%s", err, traceback.format_exc())
         for e in entries:
+            e.cache.release()
             self._finish(e.handle, "error", f"{type(err).__name__}: {err}")
 
     def _admit(self, admitted: list[RequestHandle]) -> None:
@@ -455,10 +457,15 @@ class Engine:
             self._release_slots(before - len(self._active) - len(self._prefilling))
 
     def _live(self, entries: list[_Active]) -> list[_Active]:
+        live = []
         for a in entries:
             if a.handle.cancel_reason is not None and not a.state.finished:
                 self._finish(a.handle, a.handle.cancel_reason)
-        return [a for a in entries if a.handle.cancel_reason is None and not a.state.finished]
+            if a.handle.cancel_reason is None and not a.state.finished:
+                live.append(a)
+            else:
+                a.cache.release()  # its slot of the target's KV pool serves the next admission
+        return live
 
     def _finish(self, handle: RequestHandle, reason: str, error: str | None = None) -> None:
         handle._emit(StreamEvent([], reason, error))

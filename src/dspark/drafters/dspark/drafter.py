@@ -29,11 +29,12 @@ import torch
 
 from dspark.drafters.base import DraftBlock, RequestState
 from dspark.drafters.draft_vocab import load_draft_vocab
-from dspark.drafters.dspark.model import AttentionGroup, DSparkModel
+from dspark.drafters.dspark.model import DSparkModel
 from dspark.drafters.dspark.vocab import restrict_to_draft_vocab
 from dspark.drafters.options import DraftingOptions
 from dspark.errors import IncompatibleModelsError
-from dspark.modeling.kv_cache import KVCache
+from dspark.modeling.attention import BatchLayout
+from dspark.modeling.kv_cache import KVCache, KVPool
 from dspark.modeling.layers import Rope
 from dspark.modeling.packed import pack_all_linears
 from dspark.sampling.processing import logits_to_probs, sample_from_probs
@@ -77,11 +78,10 @@ class DSparkDrafter:
             )
         m, n = self.model, feats.shape[0]
         cache = req.draft_state
-        if not isinstance(cache, KVCache) or cache.length > n:  # first use (or a state that is not ours)
-            s = m.spec
-            cap = n + req.sampling.max_new_tokens + self.block_size + 2
-            cache = KVCache(s.num_layers, s.num_kv_heads, s.head_dim, cap, m.fc.weight.dtype,
-                            device=m.fc.weight.device)
+        if not isinstance(cache, KVCache) or cache.length > n or cache.pool is not self._pool():
+            # first use (or a state that is not ours): a slot of the drafter's pool, room for the block after it
+            cap = n + req.sampling.max_new_tokens + m.config.block_size + 2
+            cache = self._pool().allocate(cap)
             req.draft_state = cache
         start = cache.length
         if n > start:
@@ -96,6 +96,17 @@ class DSparkDrafter:
             cache.length = n
         return cache
 
+    def _pool(self) -> KVPool:
+        """The pool of every request's projected context, so that all blocks attend in one call per layer."""
+        m = self.model
+        w = m.fc.weight
+        pool = self.__dict__.get("_kv_pool")
+        if pool is None or pool.keys.dtype != w.dtype or pool.keys.device != w.device:
+            s = m.spec
+            pool = KVPool(s.num_layers, s.num_kv_heads, s.head_dim, 1, 256, w.dtype, device=w.device)
+            self.__dict__["_kv_pool"] = pool
+        return pool
+
     @torch.inference_mode()
     def propose(self, requests: list[RequestState], max_tokens: list[int]) -> DraftBlock:
         m, G = self.model, self.model.config.block_size
@@ -109,7 +120,7 @@ class DSparkDrafter:
         if K == 0:
             return DraftBlock(tokens, num_tokens, draft_probs, conf_logits)
 
-        groups, ids, positions = [], [], []
+        caches = []
         for req in requests:
             cache = self._context_cache(req)
             start = len(req.tokens) - 1  # position of the anchor
@@ -117,14 +128,14 @@ class DSparkDrafter:
                 raise RuntimeError(
                     f"request {req.request_id}: {cache.length} context features for an anchor at position {start}"
                 )
-            groups.append(AttentionGroup(
-                G, lambda layer_idx, c=cache: (c.keys[layer_idx, :, : c.length], c.values[layer_idx, :, : c.length]),
-                None,
-            ))
-            ids.append(torch.tensor([req.anchor] + [m.config.mask_token_id] * (G - 1), dtype=torch.long, device=dev))
-            positions.append(torch.arange(start, start + G, device=dev))
-        x = m.embed(torch.cat(ids))  # (R*G, H)
-        hidden = m.backbone(x, torch.cat(positions), groups).view(R, G, -1)  # (R, G, H)
+            cache.reserve(G)  # the block's keys sit after the context in the slot while it attends
+            caches.append(cache)
+        # the block [anchor, mask x (G-1)] at positions start..start+G-1 sees the context and all of itself
+        layout = BatchLayout.build([G] * R, caches, dev, causal=False)
+        ids = torch.full((R, G), m.config.mask_token_id, dtype=torch.long, device=dev)  # (R, G)
+        ids[:, 0] = torch.tensor([req.anchor for req in requests], dtype=torch.long, device=dev)
+        x = m.embed(ids.view(-1))  # (R*G, H)
+        hidden = m.backbone(x, layout.positions, [], layout).view(R, G, -1)  # (R, G, H)
         hidden = hidden[:, m.config.slot_offset:]  # slot 0 drafts nothing in an anchor + k checkpoint
 
         prev = torch.tensor([req.anchor for req in requests], dtype=torch.long, device=dev)  # x_{-1} = anchor

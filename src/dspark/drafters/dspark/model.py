@@ -67,6 +67,7 @@ from dspark.drafters.dspark.config import DRAFT_KEYS, DSparkConfig, config_from_
 from dspark.drafters.dspark.heads import ConfidenceHead, MarkovHead
 from dspark.drafters.sample import TrainSample
 from dspark.errors import IncompatibleModelsError, ModelLoadError
+from dspark.modeling.attention import BatchLayout, batched_attention
 from dspark.modeling.layers import DecoderLayer, RMSNorm, Rope, RopeInput
 from dspark.modeling.spec import DecoderSpec, spec_from_config
 from dspark.modeling.weights import read_config
@@ -223,6 +224,7 @@ class DSparkModel(nn.Module):
         x: torch.Tensor,  # (Q, H) embedded block tokens, groups concatenated
         positions: torch.Tensor,  # (Q,) RoPE positions
         groups: list[AttentionGroup],
+        layout: BatchLayout | None = None,  # decoding: the context caches' pool; one attention call per layer
     ) -> torch.Tensor:  # (Q, H) final-normed hidden states h_k
         rope = Rope(positions)  # cos/sin once per forward, shared by the layers
         for layer_idx, layer in enumerate(self.layers):
@@ -231,15 +233,20 @@ class DSparkModel(nn.Module):
             cos_sin = rope.for_layer(attn, h.dtype)
             q = attn.project_q(h, cos_sin)  # (Q, Hq, D)
             k, v = attn.project_kv(h, cos_sin)  # (Q, Hkv, D)
-            outs, offset = [], 0
-            for g in groups:
-                sl = slice(offset, offset + g.num_queries)
-                ck, cv = g.context_kv(layer_idx)  # (Hkv, S, D)
-                keys = torch.cat([ck, k[sl].transpose(0, 1)], dim=1)  # (Hkv, S + n, D)
-                values = torch.cat([cv, v[sl].transpose(0, 1)], dim=1)
-                outs.append(attn.attend(q[sl].transpose(0, 1), keys, values, g.mask))
-                offset += g.num_queries
-            x = layer.attn_residual(x, torch.cat(outs) if len(outs) > 1 else outs[0])
+            if layout is not None:  # the blocks' keys go after each context in its slot (beyond its length)
+                keys, values = layout.store_and_read(layer_idx, k, v)  # (R, Hkv, S, D) x2
+                attn_out = batched_attention(q, keys, values, layout, attn.scale, attn.window, attn.softcap)
+            else:
+                outs, offset = [], 0
+                for g in groups:
+                    sl = slice(offset, offset + g.num_queries)
+                    ck, cv = g.context_kv(layer_idx)  # (Hkv, S, D)
+                    keys = torch.cat([ck, k[sl].transpose(0, 1)], dim=1)  # (Hkv, S + n, D)
+                    values = torch.cat([cv, v[sl].transpose(0, 1)], dim=1)
+                    outs.append(attn.attend(q[sl].transpose(0, 1), keys, values, g.mask))
+                    offset += g.num_queries
+                attn_out = torch.cat(outs) if len(outs) > 1 else outs[0]
+            x = layer.attn_residual(x, attn_out)
             x = layer.mlp_residual(x)
         return self.norm(x)
 

@@ -1,0 +1,289 @@
+"""Attention for a whole flattened, variable-length batch: one call per layer.
+
+The decoder concatenates the requests' tokens (N = Σ n_r); their KV caches are slots of one
+``KVPool`` tensor. ``BatchLayout`` says, once per forward, where every token sits (request, row,
+absolute position, slot) and which key blocks of the pool each request reads; each layer then writes
+its new keys/values into the pool with one indexed store and attends with one set of batched tensor
+operations, as vLLM's attention metadata does for its kernels.
+
+Keys are read in blocks of ``BLOCK`` positions (a request of S keys reads ceil(S / BLOCK) blocks, so a
+batch costs Σ S_r, not R x max S_r): every (request, block) pair gets its scores, its running maximum,
+its sum of exponentials and its weighted sum of values in one batched matmul, and the blocks of a
+request are then combined in order (the split softmax of flash-decoding):
+
+    m_b = max_j s_bj,  l_b = Σ_j exp(s_bj - m_b),  o_b = Σ_j exp(s_bj - m_b) v_j
+    out = Σ_b exp(m_b - M) o_b / Σ_b exp(m_b - M) l_b,   M = max_b m_b
+
+Load independence (CPU): a query row's output is computed the same way whatever else is in the batch.
+Its blocks are the same blocks at the same absolute positions, every block has the same shape, masked
+positions weigh exactly 0, and the combination adds its blocks in their order; query rows are rows of
+the matmuls, which oneDNN computes alike whatever their number
+(docs/architecture.md §Making a step cheap). Prefill pieces go the same way, so a prompt fed in pieces gives the rows it gives whole.
+``tests/modeling/test_attention.py`` checks this bitwise in bfloat16. On a GPU the padded block goes to
+SDPA (fused kernels; no such guarantee).
+
+Shapes: R = requests, N = tokens, T = most query rows of one request, B = key blocks read (all
+requests), L = BLOCK, S = padded key length (GPU path), Hq / Hkv = query / KV heads, g = Hq / Hkv,
+D = head dim, P = slots, C = capacity.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from dspark.modeling.kv_cache import BLOCK, KVCache, KVPool
+
+#: most float32 score elements one matmul may produce; longer query blocks are split into row chunks
+_MAX_SCORES = 1 << 24
+#: requests with more query rows than this (prefill pieces) attend on their own: padding every request's queries
+#: to the longest piece would multiply the work, and a prefill piece is heavy enough to pay a call of its own
+LONG_QUERY = 16
+
+
+@dataclass
+class BatchLayout:
+    """Where each token of a flattened batch sits; built once per forward, shared by every layer."""
+
+    seq_lens: list[int]  # (R,) query rows per request
+    positions: torch.Tensor  # (N,) absolute position of each token
+    token_req: torch.Tensor  # (N,) request of each token
+    token_row: torch.Tensor  # (N,) row of each token inside its request
+    q_positions: torch.Tensor  # (R, T) absolute position of each padded query row
+    kv_len: int  # S: the longest request's keys rounded up to BLOCK (the GPU path's padded block)
+    uniform: bool  # every request has T rows: padding is a reshape
+    pool: KVPool | None = None  # the caches' pool (None: fresh sequences, keys are the batch's own)
+    slots: torch.Tensor | None = None  # (R,) slot of each request
+    slot_range: tuple[int, int] | None = None  # (first, R) when the slots are consecutive: a view, no gather
+    causal: bool = True  # False: every row sees all of its request's keys (a draft block's own slots too)
+    ends: torch.Tensor | None = None  # (R,) one past each request's last key
+    block_req: torch.Tensor | None = None  # (B,) request of each key block read
+    block_slot: torch.Tensor | None = None  # (B,) its slot (row of the key source)
+    block_index: torch.Tensor | None = None  # (B,) its index inside the slot (positions index*L .. index*L+L-1)
+    single_slot: int | None = None  # the slot when the layout has one request (its blocks are then a view)
+    _masks: dict = field(default_factory=dict)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def rows(self) -> int:  # T
+        return self.q_positions.shape[1]
+
+    @classmethod
+    def build(cls, seq_lens: list[int], caches: list[KVCache] | None, device: torch.device,
+              pooled: bool = True, causal: bool = True) -> "BatchLayout":
+        """``pooled=False``: positions only (the per-request reference path reads the caches itself)."""
+        R = len(seq_lens)
+        lens = torch.tensor(seq_lens, dtype=torch.long)  # (R,) metadata is built on the host, then moved
+        starts = torch.tensor([c.length for c in caches] if caches is not None else [0] * R, dtype=torch.long)
+        token_req = torch.repeat_interleave(torch.arange(R), lens)  # (N,)
+        token_row = torch.arange(int(lens.sum())) - (lens.cumsum(0) - lens)[token_req]  # (N,)
+        T = max(seq_lens)
+        q_positions = starts[:, None] + torch.arange(T)[None, :]  # (R, T)
+        layout = cls(
+            seq_lens=seq_lens, positions=(starts[token_req] + token_row).to(device),
+            token_req=token_req.to(device), token_row=token_row.to(device), q_positions=q_positions.to(device),
+            kv_len=T, uniform=min(seq_lens) == T, causal=causal, ends=(starts + lens).to(device),
+        )
+        if caches is not None and pooled:
+            pool = caches[0].pool
+            slots = [c.slot for c in caches]
+            layout.pool = pool
+            layout.kv_len = min(-(-int((starts + lens).max()) // BLOCK) * BLOCK, pool.capacity)
+            slot_ids = torch.tensor(slots, dtype=torch.long)
+            if slots == list(range(slots[0], slots[0] + R)):
+                layout.slot_range = (slots[0], R)
+        else:  # keys are the batch's own, padded: request r is row r
+            slot_ids = torch.arange(R)
+            layout.kv_len = -(-T // BLOCK) * BLOCK
+        layout.slots = slot_ids.to(device)
+        layout.single_slot = int(slot_ids[0]) if R == 1 else None
+        blocks = -(-(starts + lens) // BLOCK)  # (R,) key blocks per request
+        block_req = torch.repeat_interleave(torch.arange(R), blocks)  # (B,)
+        layout.block_req = block_req.to(device)
+        layout.block_slot = slot_ids[block_req].to(device)
+        layout.block_index = (torch.arange(int(blocks.sum())) - (blocks.cumsum(0) - blocks)[block_req]).to(device)
+        return layout
+
+    def mask(self, window: int | None) -> torch.Tensor:  # (R, T, S) bool, True = may attend
+        if window not in self._masks:
+            k_pos = torch.arange(self.kv_len, device=self.q_positions.device)
+            q_pos = self.q_positions[:, :, None]  # (R, T, 1)
+            if self.causal:
+                allowed = k_pos[None, None, :] <= q_pos
+            else:  # (R, 1, S), broadcast over the rows
+                allowed = (k_pos[None, None, :] < self.ends[:, None, None]).expand(-1, self.rows, -1)
+            if window is not None:
+                allowed &= k_pos[None, None, :] > q_pos - window
+            self._masks[window] = allowed
+        return self._masks[window]
+
+    def block_bias(self, window: int | None) -> torch.Tensor:  # (B, 1, 1, T, L) float32: 0 = may attend, -inf
+        key = ("bias", window)
+        if key not in self._masks:
+            bias = torch.zeros(self.block_mask(window).shape, device=self.block_index.device)
+            self._masks[key] = bias.masked_fill_(~self.block_mask(window), float("-inf"))[:, None, None]
+        return self._masks[key]
+
+    def block_mask(self, window: int | None) -> torch.Tensor:  # (B, T, L) bool, True = may attend
+        key = ("blocks", window)
+        if key not in self._masks:
+            k_pos = self.block_index[:, None] * BLOCK + torch.arange(BLOCK, device=self.block_index.device)  # (B, L)
+            q_pos = self.q_positions[self.block_req][:, :, None]  # (B, T, 1)
+            if self.causal:
+                allowed = k_pos[:, None, :] <= q_pos
+                if window is not None:
+                    allowed &= k_pos[:, None, :] > q_pos - window
+            else:
+                allowed = (k_pos < self.ends[self.block_req][:, None])[:, None, :].expand(-1, self.rows, -1)
+            self._masks[key] = allowed
+        return self._masks[key]
+
+    def pad_rows(self, x: torch.Tensor) -> torch.Tensor:  # (N, ...) -> (R, T, ...)
+        R, T = self.num_requests, self.rows
+        if self.uniform:
+            return x.view(R, T, *x.shape[1:])
+        out = x.new_zeros(R, T, *x.shape[1:])
+        out[self.token_req, self.token_row] = x
+        return out
+
+    def unpad_rows(self, x: torch.Tensor) -> torch.Tensor:  # (R, T, ...) -> (N, ...)
+        if self.uniform:
+            return x.reshape(-1, *x.shape[2:])
+        return x[self.token_req, self.token_row]
+
+    def store_and_read(
+        self, layer_idx: int, k: torch.Tensor, v: torch.Tensor,  # (N, Hkv, D) x2
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # keys, values (P, Hkv, C, D): row block_slot[b] holds block b
+        """Write the batch's new keys/values into the pool (or pad them, without a pool) and return where the
+        key blocks are read from."""
+        if self.pool is None:
+            S = self.kv_len
+            keys = k.new_zeros(self.num_requests, S, *k.shape[1:])  # (R, S, Hkv, D)
+            values = torch.zeros_like(keys)
+            keys[self.token_req, self.token_row] = k
+            values[self.token_req, self.token_row] = v
+            return keys.transpose(1, 2), values.transpose(1, 2)
+        keys, values = self.pool.keys[layer_idx], self.pool.values[layer_idx]  # (P, Hkv, C, D)
+        slot_of_token = self.slots[self.token_req]  # (N,)
+        keys[slot_of_token, :, self.positions] = k
+        values[slot_of_token, :, self.positions] = v
+        return keys, values
+
+    def padded(self, source: torch.Tensor) -> torch.Tensor:  # (P, Hkv, C, D) -> (R, Hkv, S, D)
+        """Each request's first S keys (the GPU path's SDPA block): a view when the slots are consecutive."""
+        S = self.kv_len
+        if self.slot_range is not None:
+            first, R = self.slot_range
+            return source[first : first + R, :, :S]
+        return source[:, :, :S].index_select(0, self.slots)
+
+
+@dataclass
+class AttentionPart:
+    """Requests attended in one call: their tokens' indices in the flat batch (None = all) and their layout."""
+
+    tokens: torch.Tensor | slice | None  # (n,) int64 or a slice of the N tokens
+    layout: BatchLayout
+
+
+def plan_attention(seq_lens: list[int], caches: list[KVCache] | None, device: torch.device) -> list[AttentionPart]:
+    """One part for all requests of at most ``LONG_QUERY`` rows (decode and verify blocks), one part per longer
+    request (prefill pieces). A decode or verify step is always one part: one attention call per layer."""
+    long = [r for r, n in enumerate(seq_lens) if n > LONG_QUERY]
+    if len(long) == 0 or len(seq_lens) == 1:
+        return [AttentionPart(None, BatchLayout.build(seq_lens, caches, device))]
+    offsets = [0]
+    for n in seq_lens:
+        offsets.append(offsets[-1] + n)
+    parts = []
+    short = [r for r, n in enumerate(seq_lens) if n <= LONG_QUERY]
+    if short:
+        index = torch.cat([torch.arange(offsets[r], offsets[r + 1]) for r in short]).to(device)
+        parts.append(AttentionPart(index, BatchLayout.build(
+            [seq_lens[r] for r in short], None if caches is None else [caches[r] for r in short], device)))
+    for r in long:
+        parts.append(AttentionPart(slice(offsets[r], offsets[r + 1]), BatchLayout.build(
+            [seq_lens[r]], None if caches is None else [caches[r]], device)))
+    return parts
+
+
+def attend_parts(
+    parts: list[AttentionPart], layer_idx: int,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # (N, Hq, D), (N, Hkv, D) x2
+    scale: float, window: int | None = None, softcap: float | None = None,
+) -> torch.Tensor:  # (N, Hq*D)
+    """Store the layer's new keys/values and attend, one call per part (one in a decode or verify step)."""
+    if len(parts) == 1 and parts[0].tokens is None:
+        keys, values = parts[0].layout.store_and_read(layer_idx, k, v)
+        return batched_attention(q, keys, values, parts[0].layout, scale, window, softcap)
+    out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+    for part in parts:
+        sel = part.tokens
+        keys, values = part.layout.store_and_read(layer_idx, k[sel], v[sel])
+        out[sel] = batched_attention(q[sel], keys, values, part.layout, scale, window, softcap)
+    return out
+
+
+def batched_attention(
+    q: torch.Tensor,  # (N, Hq, D)
+    keys: torch.Tensor,  # (P, Hkv, C, D) from store_and_read
+    values: torch.Tensor,  # (P, Hkv, C, D)
+    layout: BatchLayout,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:  # (N, Hq*D)
+    P, Hkv, C, D = keys.shape
+    Hq, T, R = q.shape[1], layout.rows, layout.num_requests
+    g = Hq // Hkv
+    qp = layout.pad_rows(q)  # (R, T, Hq, D)
+    if q.is_cuda and softcap is None:  # fused kernels over the padded block
+        out = F.scaled_dot_product_attention(
+            qp.transpose(1, 2), layout.padded(keys), layout.padded(values), attn_mask=layout.mask(window)[:, None],
+            scale=scale, enable_gqa=g > 1,
+        ).transpose(1, 2)  # (R, T, Hq, D)
+        return layout.unpad_rows(out.reshape(R, T, Hq * D))
+    B = layout.block_req.shape[0]
+    one = layout.single_slot  # one request (a lone stream, a prefill piece): its blocks are a view of its slot
+    if one is not None:
+        k_one = keys[one, :, : B * BLOCK]  # (Hkv, B*L, D)
+        vb = values[one, :, : B * BLOCK].view(Hkv, B, BLOCK, D).transpose(0, 1)  # (B, Hkv, L, D)
+    else:  # the key blocks every request reads, gathered from the pool: (B, Hkv, L, D)
+        kb = keys.view(P, Hkv, C // BLOCK, BLOCK, D)[layout.block_slot, :, layout.block_index]
+        vb = values.view(P, Hkv, C // BLOCK, BLOCK, D)[layout.block_slot, :, layout.block_index]
+    # grouped queries: query head h reads KV head h // g, so (Hq, T) rows become (Hkv, g*T) rows, no K/V repeat
+    qg = qp.view(R, T, Hkv, g, D).permute(0, 2, 3, 1, 4)  # (R, Hkv, g, T, D)
+    bias = layout.block_bias(window)  # (B, 1, 1, T, L)
+    chunk = max(1, _MAX_SCORES // max(1, B * Hkv * g * BLOCK))  # query rows per pass (long prefill pieces)
+    outs = []
+    for t0 in range(0, T, chunk):
+        t1 = min(T, t0 + chunk)
+        t = t1 - t0
+        if one is not None:  # one matmul over the slot, cut into blocks: bitwise the per-block products
+            q_one = qg[0, :, :, t0:t1].reshape(Hkv, g * t, D)
+            scores = (q_one @ k_one.transpose(-1, -2)).view(Hkv, g * t, B, BLOCK).permute(2, 0, 1, 3) * scale
+        else:
+            qb = qg[:, :, :, t0:t1][layout.block_req].reshape(B, Hkv, g * t, D)  # (B, Hkv, g*t, D)
+            scores = (qb @ kb.transpose(-1, -2)) * scale  # (B, Hkv, g*t, L)
+        if softcap is not None:  # Gemma2 soft-capping
+            scores = torch.tanh(scores / softcap) * softcap
+        scores = torch.add(scores.reshape(B, Hkv, g, t, BLOCK), bias[..., t0:t1, :])  # float32, -inf where masked
+        # m_b, kept finite where a row sees nothing of the block (its weights and rescale are then exactly 0)
+        block_max = scores.amax(-1).clamp_min_(-1e30)  # (B, Hkv, g, t)
+        weights = torch.exp(scores - block_max[..., None])  # (B, Hkv, g, t, L), 0 where masked
+        block_sum = weights.sum(-1)  # (B, Hkv, g, t) l_b
+        block_out = (weights.to(q.dtype).view(B, Hkv, g * t, BLOCK) @ vb).view(B, Hkv, g, t, D).float()  # o_b
+        # combine each request's blocks: M = max_b m_b, out = Σ exp(m_b - M) o_b / Σ exp(m_b - M) l_b
+        req_max = block_max.new_full((R, Hkv, g, t), float("-inf"))
+        req_max.scatter_reduce_(0, layout.block_req[:, None, None, None].expand_as(block_max), block_max, "amax")
+        rescale = torch.exp(block_max - req_max[layout.block_req])  # (B, Hkv, g, t), 0 for blocks seen not at all
+        total = torch.zeros_like(req_max).index_add_(0, layout.block_req, rescale * block_sum)  # (R, Hkv, g, t)
+        summed = block_out.new_zeros(R, Hkv, g, t, D).index_add_(0, layout.block_req, rescale[..., None] * block_out)
+        outs.append((summed / total[..., None]).to(q.dtype))  # (R, Hkv, g, t, D)
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=3)  # (R, Hkv, g, T, D)
+    return layout.unpad_rows(out.permute(0, 3, 1, 2, 4).reshape(R, T, Hq * D))
