@@ -1,7 +1,7 @@
 """Offline plain decoding with attention batched over the requests against the per-request loop it replaced.
 
     PYTHONPATH=src python bench/batched_attention.py --threads 1 [--batches 1,4,16,32] [--max-new-tokens 64]
-        [--repeats 2] [--max-prompt-tokens 256] [--out docs/performance-attention.md]
+        [--repeats 2] [--max-prompt-tokens 256] [--out docs/reports/performance-attention.md]
 
 ``SpeculativeGenerator`` with no drafter (plain decoding), SmolLM2-135M in bfloat16 in the decoding layout
 (fused, prepacked, lone rows run as two), greedy, on the first prompts of the evaluation mix (chat template, cut to

@@ -103,15 +103,33 @@ def test_paired_difference_sees_a_small_shift_that_unpaired_intervals_overlap():
     assert reverse["worse"] and not reverse["better"]
 
 
-def test_negative_control_equal_drafters_are_not_distinguishable():
-    rng = np.random.default_rng(4)
-    records = []
-    for i in range(12):
-        for name in ("a", "b"):  # the same law, independent draws
-            records.append(_record(name, "gsm8k", i, int(round(100 * rng.normal(2.0, 0.3))), 100))
-    diff = paired_difference(records, _results(["a", "b"], {"math": ["gsm8k"]}), "b", "a")
-    lo, hi = diff["overall"]["interval"]
-    assert lo < 0 < hi and not diff["better"] and not diff["worse"]
+def test_negative_control_equal_drafters_are_rarely_called_different():
+    """Two drafters of the same law: a 95 % paired interval excludes 0 in about 5 % of evaluations (a test that
+    called every small shift 'better' would fail here)."""
+    rng = np.random.default_rng(5)
+    calls, trials = 0, 150
+    for t in range(trials):
+        records = []
+        for i in range(12):
+            for name in ("a", "b"):  # the same law, independent draws
+                records.append(_record(name, "gsm8k", i, int(round(100 * rng.normal(2.0, 0.3))), 100))
+        diff = paired_difference(records, _results(["a", "b"], {"math": ["gsm8k"]}), "b", "a", replicates=1000,
+                                 seed=t)
+        calls += diff["better"] or diff["worse"]
+    assert calls / trials <= 0.11  # 5 % expected; a plain percentile interval of 12 prompts calls about 13 %
+
+
+def test_expanded_level_matches_t_intervals():
+    """The width correction for few prompts: z of the expanded level = sqrt(n / (n - 1)) t_{n-1}."""
+    from statistics import NormalDist
+
+    from dspark.evaluation.intervals import _t_quantile, expanded_level
+
+    for dof, t in ((4, 2.776), (9, 2.262), (11, 2.201), (79, 1.990)):  # t tables, 97.5 %
+        assert _t_quantile(0.975, dof) == pytest.approx(t, abs=2e-3)
+    z = NormalDist().inv_cdf((1 + expanded_level(0.95, 12)) / 2)
+    assert z == pytest.approx((12 / 11) ** 0.5 * 2.201, abs=2e-3)
+    assert expanded_level(0.95, 10_000) == pytest.approx(0.95, abs=1e-3)  # many prompts: the plain level
 
 
 def test_paired_difference_uses_only_shared_prompts():

@@ -66,7 +66,8 @@ def _drafter(target) -> DSparkDrafter:
     Eq. (7) with the hidden-state part of w zeroed and the W1[x_{k-1}] part solved for, so that
     sigmoid(logit / T_k) = CONF[x_{k-1}]: a_{r,2} then carries information about draft 1.
     """
-    model = tiny_dspark(target, seed=2, markov_rank=V)
+    # the draft layers this law test and its negative controls were sized with (the law holds for any layers)
+    model = tiny_dspark(target, seed=2, markov_rank=V, draft_layer="target")
     H = model.spec.hidden_size
     proj = model.confidence_head.proj
     w1 = model.markov_head.markov_w1.weight.detach().double()  # (V, r), r = V here
