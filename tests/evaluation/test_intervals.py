@@ -40,30 +40,27 @@ def test_constant_tau_gives_a_point_interval():
     assert ci["overall"] == pytest.approx([2.0, 2.0])
 
 
-def test_interval_covers_the_true_mean_about_95_percent():
-    """Prompts with tau ~ N(2.0, 0.4), equal steps: the percentile interval of the pooled mean should hold
-    2.0 in about 95 % of evaluations (a percentile bootstrap with 40 prompts covers a little less)."""
+def _coverage(width: float = 1.0, trials: int = 200) -> float:
+    """Share of evaluations (40 prompts with tau ~ N(2.0, 0.4), equal steps) whose interval, scaled by ``width``
+    about its middle, holds the true 2.0."""
     rng = np.random.default_rng(11)
-    hits, trials = 0, 200
+    hits = 0
     for t in range(trials):
         taus = rng.normal(2.0, 0.4, size=40)
         records = [_record("d", "gsm8k", i, int(round(100 * x)), 100) for i, x in enumerate(taus)]
         lo, hi = tau_intervals(records, _results(["d"], {"math": ["gsm8k"]}), replicates=400, seed=t)["d"]["overall"]
-        hits += lo <= 2.0 <= hi
-    assert 0.88 <= hits / trials <= 0.99
+        mid, half = (lo + hi) / 2, width * (hi - lo) / 2
+        hits += mid - half <= 2.0 <= mid + half
+    return hits / trials
+
+
+def test_interval_covers_the_true_mean_about_95_percent():
+    assert 0.9 <= _coverage() <= 0.99
 
 
 def test_negative_control_a_narrow_interval_undercovers():
     """The same check fails for an interval a third as wide: the coverage test can tell."""
-    rng = np.random.default_rng(11)
-    hits, trials = 0, 200
-    for t in range(trials):
-        taus = rng.normal(2.0, 0.4, size=40)
-        records = [_record("d", "gsm8k", i, int(round(100 * x)), 100) for i, x in enumerate(taus)]
-        lo, hi = tau_intervals(records, _results(["d"], {"math": ["gsm8k"]}), replicates=400, seed=t)["d"]["overall"]
-        mid, half = (lo + hi) / 2, (hi - lo) / 6
-        hits += mid - half <= 2.0 <= mid + half
-    assert not 0.88 <= hits / trials <= 0.99
+    assert not 0.9 <= _coverage(width=1 / 3) <= 0.99
 
 
 def test_interval_narrows_with_more_prompts():
