@@ -148,3 +148,23 @@ def test_pool_slots_are_reused_and_growth_keeps_the_contents():
     c.release()
     c.release()  # idempotent
     assert pool.slots_in_use == 1  # a alone
+
+
+def test_gradients_through_batched_attention_match_the_per_request_loop():
+    """The draft LM trains through this attention: its gradients must be the reference loop's (the block
+    maxima are detached, which is exact because the output does not depend on them)."""
+    def grads(mode: str) -> dict[str, torch.Tensor]:
+        target = tiny_target(seed=4)
+        model = target.model
+        model.model.attention = mode
+        for p in model.parameters():
+            p.requires_grad_(True)
+        ids = torch.cat([_ids(n, n) for n in (7, 19, 3)])
+        hidden, _ = model.model(ids, [7, 19, 3], None, None)  # (N, H), a fresh sequence each, as in training
+        (hidden.pow(2).sum() + model.logits(hidden).logsumexp(-1).sum()).backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    batched, reference = grads("batched"), grads("per-request")
+    assert batched.keys() == reference.keys() and len(batched) > 4
+    for name in reference:
+        torch.testing.assert_close(batched[name], reference[name], atol=1e-4, rtol=1e-4, msg=name)

@@ -273,8 +273,10 @@ def batched_attention(
         if softcap is not None:  # Gemma2 soft-capping
             scores = torch.tanh(scores / softcap) * softcap
         scores = torch.add(scores.reshape(B, Hkv, g, t, BLOCK), bias[..., t0:t1, :])  # float32, -inf where masked
-        # m_b, kept finite where a row sees nothing of the block (its weights and rescale are then exactly 0)
-        block_max = scores.amax(-1).clamp_min_(-1e30)  # (B, Hkv, g, t)
+        # m_b, kept finite where a row sees nothing of the block (its weights and rescale are then exactly 0);
+        # detached: the output does not depend on the shift m_b (it cancels between o_b and l_b), so neither does
+        # its gradient, and autograd (the draft LM trains through this) needs no in-place-free copy of it
+        block_max = scores.detach().amax(-1).clamp_min_(-1e30)  # (B, Hkv, g, t)
         weights = torch.exp(scores - block_max[..., None])  # (B, Hkv, g, t, L), 0 where masked
         block_sum = weights.sum(-1)  # (B, Hkv, g, t) l_b
         block_out = (weights.to(q.dtype).view(B, Hkv, g * t, BLOCK) @ vb).view(B, Hkv, g, t, D).float()  # o_b
