@@ -82,8 +82,8 @@ def prepare_feature_cache(cfg: TrainConfig, target, layer_ids: list[int], is_mai
         return None
     data = load_token_dataset(cfg.data, target)
     n = len(data) if cfg.max_samples is None else min(len(data), cfg.max_samples)
-    lengths = np.concatenate([np.asarray(p.lengths) for p in getattr(data, "datasets", [data])])[:n]
-    need = int(np.minimum(lengths, cfg.max_length).sum()) * features.bytes_per_token(
+    lengths = features.sequence_lengths(data, cfg.max_length)[:n]
+    need = int(lengths.sum()) * features.bytes_per_token(
         target.hidden_size, len(layer_ids), logsumexp=True)
     probe = folder if folder.exists() else next(p for p in [folder, *folder.parents] if p.exists())
     free = shutil.disk_usage(probe).free
