@@ -1,36 +1,49 @@
 #!/usr/bin/env bash
-# Evaluate the reference drafter and write docs/results.md (paper Table 1 at T=0 and T=1, per-position curves,
-# calibration). Run after bench/reference_drafter.sh (and, for the stage-2 rows, bench/data_mix.sh).
+# Evaluate a candidate reference drafter and write docs/results.md (paper Table 1 at T=0 and T=1, per-position
+# curves, calibration): the candidate DSpark against the shipped drafter, its DFlash twin (the same data and
+# steps), prompt lookup and hybrid drafting. All 8 sets, 10 prompts each (80 in all), 128 new tokens, bf16, every
+# draft verified, 95 % bootstrap intervals over prompts and paired differences against the candidate (the first
+# drafter of each run). Run after bench/scale_train.sh (docs/training-scale.md).
 #
-#   bash bench/reference_eval.sh [RUN] [EVAL]        # defaults: runs/ref runs/ref-eval
+#   bash bench/reference_eval.sh                         # CAND=runs/scale/train/dspark-all/step_latest
+#   CAND=... TWIN=... EVAL=runs/scale/ref-eval bash bench/reference_eval.sh
 #
-# Every step is skipped when its output exists, so an interrupted run resumes. One thread per step, float32
-# (the evaluations are acceptance statistics, not timings). About 50 minutes on a 2-core CPU.
+# Every evaluation resumes per sample (an interrupted run goes on); the greedy and the temperature-1 runs go side
+# by side, one thread each. BATCH requests per static batch (default 8: acceptance does not depend on it, greedy
+# text neither where bf16 batch invariance holds, docs/architecture.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-RUN=${1:-runs/ref}
-EVAL=${2:-runs/ref-eval}
-CALIB=${CALIB:-runs/ref-calib}
+R=${R:-runs/scale}
+CAND=${CAND:-$R/train/dspark-all/step_latest}
+TWIN=${TWIN:-$R/train/dflash-all/step_latest}
+SHIPPED=${SHIPPED:-checkpoints/smollm2-135m-dspark}
+EVAL=${EVAL:-$R/ref-eval}
+CALIB=${CALIB:-$R/ref-calib}
+LIMIT=${LIMIT:-10}
+BATCH=${BATCH:-8}
 DSPARK=${DSPARK:-.venv/bin/dspark}
-REF=checkpoints/smollm2-135m-dspark
-# DFlash at DSpark's step count rounded down to the checkpoint interval (the same data and steps)
-DFLASH=${DFLASH:-$RUN/dflash/step_3000}
-COMMON=(--datasets all --limit 2 --max-new-tokens 128)
+COMMON=(--datasets all --limit "$LIMIT" --max-new-tokens 128 --dtype bfloat16 --batch-size "$BATCH" --no-progress)
+drafters=(--drafter "dspark=$CAND" --drafter "shipped=$SHIPPED")
+[ -d "$TWIN" ] && drafters+=(--drafter "dflash=$TWIN")
+drafters+=(--drafter prompt-lookup=prompt-lookup)
+train=(--train "dspark=$(dirname "$CAND")")
+[ -d "$TWIN" ] && train+=(--train "dflash=$(dirname "$TWIN")")
 
-for T in 0 1; do
-  [ -f "$EVAL/t$T/results.json" ] || $DSPARK --threads 1 eval "${COMMON[@]}" --temperature $T --out "$EVAL/t$T" \
-    --drafter dspark=$REF --drafter dflash="$DFLASH" --drafter prompt-lookup=prompt-lookup
-  [ -f "$EVAL/t$T-hybrid/results.json" ] || $DSPARK --threads 1 eval "${COMMON[@]}" --temperature $T \
-    --out "$EVAL/t$T-hybrid" --hybrid --drafter hybrid=$REF
-done
-# STS on held-out rows beyond the evaluation caps, then the temperature-1 evaluation with it applied
-[ -f "$CALIB/sts.json" ] || $DSPARK --threads 1 calibrate --drafter $REF --name dspark --limit 8 \
-  --max-new-tokens 128 --temperature 1 --out "$CALIB"
-[ -f "$EVAL/t1-sts/results.json" ] || $DSPARK --threads 1 eval "${COMMON[@]}" --temperature 1 \
-  --out "$EVAL/t1-sts" --drafter dspark=$REF --sts dspark="$CALIB/sts.json"
-
-MIX=()
-[ -d runs/data-mix-eval ] && MIX+=(--data-mix runs/data-mix-eval)
-[ -d runs/data-mix-eval-t1 ] && MIX+=(--data-mix-t1 runs/data-mix-eval-t1)
-.venv/bin/python bench/reference_report.py --run "$RUN" --eval "$EVAL" "${MIX[@]}" --calibration "$CALIB" \
-  --sts-eval "$EVAL/t1-sts" --out docs/results.md
+one_temperature() {  # T
+  $DSPARK --threads 1 eval "${COMMON[@]}" --temperature "$1" --out "$EVAL/t$1" "${drafters[@]}"
+  $DSPARK --threads 1 eval "${COMMON[@]}" --temperature "$1" --out "$EVAL/t$1-hybrid" --hybrid \
+    --drafter "hybrid=$CAND" --drafter "hybrid-shipped=$SHIPPED"
+}
+mkdir -p "$EVAL"
+one_temperature 0 > "$EVAL.t0.log" 2>&1 &
+{
+  one_temperature 1
+  # STS on held-out rows beyond the evaluation caps, then temperature 1 with it applied
+  [ -f "$CALIB/sts.json" ] || $DSPARK --threads 1 calibrate --drafter "$CAND" --name dspark --limit 8 \
+    --max-new-tokens 128 --temperature 1 --dtype bfloat16 --batch-size "$BATCH" --no-progress --out "$CALIB"
+  $DSPARK --threads 1 eval "${COMMON[@]}" --temperature 1 --out "$EVAL/t1-sts" --drafter "dspark=$CAND" \
+    --sts dspark="$CALIB/sts.json"
+} > "$EVAL.t1.log" 2>&1 &
+wait
+.venv/bin/python bench/reference_report.py --eval "$EVAL" --calibration "$CALIB" --sts-eval "$EVAL/t1-sts" \
+  "${train[@]}" --out docs/results.md

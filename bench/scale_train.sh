@@ -5,17 +5,21 @@
 # 0.2 M, 0.7 M and 2.7 M supervised), Qwen3-shaped draft layers (q/k RMSNorm: the layout SGLang and vLLM load),
 # bf16 with fp32 master weights, an 8,192-token draft vocabulary. The largest DSpark is the reference drafter and
 # the largest DFlash its twin; Eagle3 trains on the same data and steps (3 of the cached layers: it exports to vLLM).
-# The two drafters of a point train side by side, one thread each.
+# The two drafters of a point train side by side, one thread each; PROCS=2 trains them one after the other, each
+# on both cores (torchrun, two DDP processes of one thread, the same global batch of 4 sequences).
 #
 # A run is longer than a sitting: every training stops after SESSION_S seconds with a checkpoint (session_time_s:
 # the LR schedule stays the step count's) and the same command resumes it; finished runs are skipped.
 #   bash bench/scale_train.sh 330 1000        # points to train now (default: all four, then eagle3)
 #   SESSION_S=3000 bash bench/scale_train.sh all eagle3
+#   PROCS=2 bash bench/scale_train.sh all      # each drafter on both cores in turn
 set -euo pipefail
 DSPARK=${DSPARK:-.venv/bin/dspark}
 R=${R:-runs/scale}
 SESSION_S=${SESSION_S:-100000}
 EPOCHS=${EPOCHS:-3}
+PROCS=${PROCS:-1}
+TORCHRUN=${TORCHRUN:-.venv/bin/torchrun}
 points=("$@")
 [ ${#points[@]} -gt 0 ] || points=(330 1000 3500 all eagle3)
 
@@ -35,7 +39,13 @@ train() {  # name preset caches max_samples extra...
   fi
   local limit=()
   [ "$n" = all ] || limit=(--set "max_samples=$n")
-  $DSPARK --threads 1 train --config "$preset" --out "$out" --resume \
+  local launch=($DSPARK --threads 1)
+  # DDP: the global batch stays 4 sequences (grad_accum = 4 / PROCS)
+  if [ "$PROCS" -gt 1 ]; then
+    launch=($TORCHRUN --nproc_per_node "$PROCS" -m dspark.cli --threads 1)
+    set -- "$@" --set grad_accum=null --set global_batch_size=4
+  fi
+  "${launch[@]}" train --config "$preset" --out "$out" --resume \
     --set "data=$R/tok-label-1k" --set "cache_dir=$caches" --set feature_source=cache --set max_length=1024 --set dtype=bfloat16 \
     --set draft_vocab_size=8192 --set epochs="$EPOCHS" --set checkpoint_every=100 --set keep_checkpoints=2 \
     --set session_time_s="$SESSION_S" "${limit[@]}" "$@" > "$out.log" 2>&1
@@ -49,7 +59,12 @@ for p in "${points[@]}"; do
     continue
   fi
   caches=$(caches_for "$p")
-  train "dspark-$p" smollm2-dspark-markov "$caches" "$p" --set model.draft_layer=qwen3 &
-  train "dflash-$p" smollm2-dflash "$caches" "$p" --set model.draft_layer=qwen3 &
-  wait
+  if [ "$PROCS" -gt 1 ]; then
+    train "dspark-$p" smollm2-dspark-markov "$caches" "$p" --set model.draft_layer=qwen3
+    train "dflash-$p" smollm2-dflash "$caches" "$p" --set model.draft_layer=qwen3
+  else
+    train "dspark-$p" smollm2-dspark-markov "$caches" "$p" --set model.draft_layer=qwen3 &
+    train "dflash-$p" smollm2-dflash "$caches" "$p" --set model.draft_layer=qwen3 &
+    wait
+  fi
 done
