@@ -7,6 +7,7 @@
 #
 #   bash bench/reference_eval.sh                         # CAND=runs/scale/train/dspark-all/step_latest
 #   CAND=... TWIN=... EVAL=runs/scale/ref-eval bash bench/reference_eval.sh
+#   CAND_NAME=dspark-3500 TWIN_NAME=dflash-3500 ...   # row names (the scaling report pools dspark-N/dflash-N rows)
 #
 # Every evaluation resumes per sample (an interrupted run goes on); the greedy and the temperature-1 runs go side
 # by side, one thread each. BATCH requests per static batch (default 8: acceptance does not depend on it, greedy
@@ -23,11 +24,13 @@ LIMIT=${LIMIT:-10}
 BATCH=${BATCH:-8}
 DSPARK=${DSPARK:-.venv/bin/dspark}
 COMMON=(--datasets all --limit "$LIMIT" --max-new-tokens 128 --dtype bfloat16 --batch-size "$BATCH" --no-progress)
-drafters=(--drafter "dspark=$CAND" --drafter "shipped=$SHIPPED")
-[ -d "$TWIN" ] && drafters+=(--drafter "dflash=$TWIN")
+CAND_NAME=${CAND_NAME:-dspark}
+TWIN_NAME=${TWIN_NAME:-dflash}
+drafters=(--drafter "$CAND_NAME=$CAND" --drafter "shipped=$SHIPPED")
+[ -d "$TWIN" ] && drafters+=(--drafter "$TWIN_NAME=$TWIN")
 drafters+=(--drafter prompt-lookup=prompt-lookup)
-train=(--train "dspark=$(dirname "$CAND")")
-[ -d "$TWIN" ] && train+=(--train "dflash=$(dirname "$TWIN")")
+train=(--train "$CAND_NAME=$(dirname "$CAND")")
+[ -d "$TWIN" ] && train+=(--train "$TWIN_NAME=$(dirname "$TWIN")")
 
 one_temperature() {  # T
   $DSPARK --threads 1 eval "${COMMON[@]}" --temperature "$1" --out "$EVAL/t$1" "${drafters[@]}"
@@ -39,10 +42,10 @@ one_temperature 0 > "$EVAL.t0.log" 2>&1 &
 {
   one_temperature 1
   # STS on held-out rows beyond the evaluation caps, then temperature 1 with it applied
-  [ -f "$CALIB/sts.json" ] || $DSPARK --threads 1 calibrate --drafter "$CAND" --name dspark --limit 8 \
+  [ -f "$CALIB/sts.json" ] || $DSPARK --threads 1 calibrate --drafter "$CAND" --name "$CAND_NAME" --limit 8 \
     --max-new-tokens 128 --temperature 1 --dtype bfloat16 --batch-size "$BATCH" --no-progress --out "$CALIB"
-  $DSPARK --threads 1 eval "${COMMON[@]}" --temperature 1 --out "$EVAL/t1-sts" --drafter "dspark=$CAND" \
-    --sts dspark="$CALIB/sts.json"
+  $DSPARK --threads 1 eval "${COMMON[@]}" --temperature 1 --out "$EVAL/t1-sts" --drafter "$CAND_NAME=$CAND" \
+    --sts "$CAND_NAME=$CALIB/sts.json"
 } > "$EVAL.t1.log" 2>&1 &
 wait
 .venv/bin/python bench/reference_report.py --eval "$EVAL" --calibration "$CALIB" --sts-eval "$EVAL/t1-sts" \

@@ -110,9 +110,9 @@ def main() -> int:
         "# Results: the reference drafter against its peers\n",
         "Paper Table 1 (acceptance length at temperature 0 and 1), the per-position curves and the confidence "
         "head's calibration. Rerun: `bash bench/reference_eval.sh` (it runs every evaluation, then "
-        "`python bench/reference_report.py` with its folders). Rows: `dspark` = the candidate reference drafter "
+        "`python bench/reference_report.py` with its folders). Rows: the first (`dspark`, or `dspark-N` for a point of the scaling curve) = the candidate reference drafter "
         "(docs/training-scale.md), `shipped` = the checkpoint in checkpoints/smollm2-135m-dspark when the "
-        "evaluation ran, `dflash` = DFlash trained beside the candidate on the same data and steps, "
+        "evaluation ran, `dflash` (`dflash-N`) = DFlash trained beside the candidate on the same data and steps, "
         "`prompt-lookup`, and `hybrid` / `hybrid-shipped` = `--hybrid` (prompt lookup on repeats, the trained "
         "drafter elsewhere) with the candidate / the shipped drafter. Brackets: 95 % bootstrap intervals over "
         "prompts (redrawn within each benchmark); paired differences use the same prompt draws for both rows.\n",

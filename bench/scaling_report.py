@@ -57,19 +57,33 @@ def _first_positions(res: dict, k: int = 3) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--eval", type=Path, default=Path("runs/scale/eval-greedy"))
+    ap.add_argument("--eval", type=Path, action="append", default=None,
+                    help="a greedy `dspark eval` folder; repeatable: their samples are pooled (the same temperature, "
+                    "token budget and seed; default runs/scale/eval-greedy)")
     ap.add_argument("--tok", type=Path, default=Path("runs/scale/tok-label-1k"))
     ap.add_argument("--train", type=Path, default=Path("runs/scale/train"))
     ap.add_argument("--out", type=Path, default=Path("docs/training-scale.md"))
     ap.add_argument("--figure", type=Path, default=Path("docs/figures/scaling.png"))
     args = ap.parse_args(argv)
 
-    run = json.loads((args.eval / "run.json").read_text())
-    s = run["settings"]
-    records = read_records(args.eval / "samples.jsonl")
+    evals = args.eval or [Path("runs/scale/eval-greedy")]
+    s = json.loads((evals[0] / "run.json").read_text())["settings"]
+    records, seen = [], set()
+    for folder in evals:
+        other = json.loads((folder / "run.json").read_text())["settings"]
+        clash = [k for k in ("temperature", "max_new_tokens", "seed", "target") if other.get(k) != s.get(k)]
+        if clash:
+            print(f"{folder}: {', '.join(f'{k} {other.get(k)!r}' for k in clash)} differ from {evals[0]}'s "
+                  f"({', '.join(repr(s.get(k)) for k in clash)}): its samples cannot be pooled", file=sys.stderr)
+            return 1
+        for r in read_records(folder / "samples.jsonl"):
+            key = (r["drafter"], r["dataset"], r["idx"])
+            if key not in seen:
+                seen.add(key)
+                records.append(r)
     found = points(records)
     if not found:
-        print(f"{args.eval}: no point has both drafters evaluated yet", file=sys.stderr)
+        print(f"{', '.join(map(str, evals))}: no point has both drafters evaluated yet", file=sys.stderr)
         return 1
     limit = max(int(r["idx"]) for r in records) + 1
     datasets = [load_eval_dataset(name, None, limit, s["seed"]) for name in sorted({r["dataset"] for r in records})]
