@@ -23,7 +23,7 @@ LAYERS: list[set[str]] = [
     {"target"},
     {"drafters"},
     {"generation", "scheduler"},
-    {"data", "training", "evaluation", "serving", "simulate"},
+    {"data", "training", "evaluation", "serving", "simulate", "export"},
     {"bench", "studies"},
     {"cli", "cli_reference", "api", "__main__"},
 ]

@@ -26,7 +26,6 @@ and returns the exact launch command.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import shlex
@@ -321,32 +320,3 @@ def export_for_engine(ckpt: str | Path, engine: str, out: str | Path, *, target:
         shutil.copyfile(src, out / name)
     return plan, launch_command(plan, out, target)
 
-
-def add_cli(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "export", help="write a drafter checkpoint as SGLang or vLLM loads it, and print the launch command",
-        description="Rewrite a DSpark/DFlash/Eagle3 checkpoint into the files, names and config fields SGLang's or "
-        "vLLM's loader reads (bf16), copy the SPS table / STS file beside it, and print the exact launch command. "
-        "What the engine cannot load is refused with the reason. See docs/serving-at-scale.md.",
-        epilog="example: dspark export --to sglang runs/x/step_latest out/x-sglang --target Qwen/Qwen3-8B "
-        "--sps-table sps.json --sts sts.json",
-    )
-    p.add_argument("--to", required=True, choices=ENGINES, help="the serving engine")
-    p.add_argument("checkpoint", help="a drafter checkpoint folder (dspark train's step_N/)")
-    p.add_argument("out", help="folder to write")
-    p.add_argument("--target", default="TARGET", help="the target the engine serves, for the printed command")
-    p.add_argument("--target-folder", default=None, metavar="DIR",
-                   help="the target's HF folder: vLLM needs its LM-head rows for a draft-vocabulary checkpoint")
-    p.add_argument("--sps-table", default=None, metavar="FILE", help="`dspark profile` output (SGLang only)")
-    p.add_argument("--sts", default=None, metavar="FILE", help="`dspark calibrate` output (SGLang only)")
-    p.set_defaults(func=_run)
-
-
-def _run(args: argparse.Namespace) -> int:
-    plan, command = export_for_engine(args.checkpoint, args.to, args.out, target=args.target,
-                                      sps_table=args.sps_table, sts=args.sts, target_folder=args.target_folder)
-    for note in plan.notes:
-        print(f"note: {note}")
-    print(f"wrote {args.out} ({plan.kind}, {len(plan.tensors)} tensors, bf16) for {args.to}; launch with:")
-    print(command)
-    return 0
