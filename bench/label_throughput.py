@@ -28,7 +28,7 @@ def _worker(args: tuple) -> dict:
     torch.set_num_threads(1)
     from dspark.data.features import build_feature_cache
     from dspark.data.tokenized import TokenizedDataset
-    from dspark.drafters.options import torch_dtype
+    from dspark.target.loading import torch_dtype
     from dspark.target.model import load_target
 
     target = load_target("smollm2-135m", dtype=torch_dtype(dtype_name), tokenizer=False, fuse=True)

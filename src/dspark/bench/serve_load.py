@@ -231,7 +231,8 @@ def run_sweep(cfg: SweepConfig, log=print) -> tuple[list[dict], dict]:
 
     import torch
 
-    from dspark.drafters.options import DraftingOptions, torch_dtype
+    from dspark.drafters.options import DraftingOptions
+    from dspark.target.loading import torch_dtype
     from dspark.drafters.registry import load_drafter
     from dspark.scheduler.sts import load_sts_json
     from dspark.scheduler.profile import load_or_profile

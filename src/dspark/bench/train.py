@@ -22,7 +22,8 @@ import sys
 import time
 from pathlib import Path
 
-from dspark.drafters.options import DTYPE_NAMES, add_device_option, resolve_device
+from dspark.cli_options import add_device_option
+from dspark.target.loading import DTYPE_NAMES, resolve_device
 from dspark.target.presets import DEFAULT_TARGET
 
 PARTS = ("target forward", "drafter forward", "loss", "backward", "optimizer")

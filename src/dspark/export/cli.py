@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dspark.drafters.options import DTYPE_NAMES
+from dspark.target.loading import DTYPE_NAMES
 from dspark.errors import DSparkError
 from dspark.export.engines import ENGINES
 

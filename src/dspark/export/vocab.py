@@ -17,7 +17,7 @@ def export_vocab(checkpoint: str | Path, vocab: str | Path, out: str | Path, dty
     folder written and the draft vocabulary's size."""
     from dspark.drafters.draft_vocab import load_draft_vocab
     from dspark.drafters.dspark.vocab import prune_to_draft_vocab
-    from dspark.drafters.options import torch_dtype
+    from dspark.target.loading import torch_dtype
     from dspark.modeling.weights import read_config
 
     loaded = None
