@@ -2,7 +2,7 @@
 
 On every machine: ``--device`` / ``--dtype`` resolution, ``--device cuda`` without a GPU (exit 2, one line), the
 checkpoint dtype, the extras' one-line errors. Tests marked ``cuda`` need a GPU (tests/conftest.py skips them
-elsewhere; bench/gpu_check.sh runs them): the target, its caches and every drafter on the GPU, SDPA attention
+elsewhere; scripts/gpu_check.sh runs them): the target, its caches and every drafter on the GPU, SDPA attention
 there, and greedy speculative output equal to plain greedy output for every drafter.
 """
 

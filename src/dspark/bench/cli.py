@@ -62,7 +62,8 @@ def _named_path(text: str) -> list[str]:
 
 
 def _command_line(command: str) -> str:
-    """The `dspark bench COMMAND ...` that ran, for the report (the bench/ scripts pass the flags only)."""
+    """The `dspark bench COMMAND ...` that ran, for the report (a script calling ``main(["bench", COMMAND, *flags])``
+    has only the flags in its argv)."""
     flags = sys.argv[1:]
     if "bench" in flags and command in flags:  # `dspark [--threads N] bench COMMAND ...`
         flags = flags[: flags.index("bench")] + flags[flags.index(command) + 1:]

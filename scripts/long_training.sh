@@ -4,7 +4,7 @@
 # steps (same sequences seen), evaluated exactly as docs/reports/results-study.md (all 8 sets, 2 samples each, 128 tokens,
 # temperature 1.0) next to the study's own DSpark drafter.
 # Writes docs/reports/long-training.md. Steps already done (train_summary.json, results.json) are skipped.
-#   bash bench/long_training.sh [BUDGET_SECONDS]     (needs runs/study from `dspark reproduce --budget cpu`)
+#   bash scripts/long_training.sh [BUDGET_SECONDS]     (needs runs/study from `dspark reproduce --budget cpu`)
 set -euo pipefail
 BUDGET=${1:-2700}
 DSPARK=${DSPARK:-.venv/bin/dspark}
@@ -26,5 +26,15 @@ if ! grep -q dflash-long $EVAL/results.json 2>/dev/null; then  # resumable: fini
     --drafter dspark-markov-long=$RUN/step_latest --drafter dspark-markov=runs/study/train/dspark-markov/step_latest \
     --drafter dflash-long=$DFLASH/step_latest
 fi
-.venv/bin/python -c "from dspark.studies.long_training import write_long_training_page as w; \
-print('wrote', w('$RUN', '$EVAL', '$BUDGET', 'runs/study/train/dspark-markov', '$DFLASH'))"
+# the page's text stays; the tables between its markers are rewritten from the runs
+.venv/bin/python - "$RUN" "$DFLASH" "$EVAL" "$BUDGET" "$STEPS" <<'EOF'
+import sys
+
+from dspark.studies.long_training import write_long_training_tables
+
+run, dflash, eval_dir, budget, steps = sys.argv[1:]
+print("wrote", write_long_training_tables("docs/reports/long-training.md", [
+    ("dspark-markov", "runs/study/train/dspark-markov", "540 s, float32, 2 threads (`dspark reproduce --budget cpu`)"),
+    ("dspark-markov-long", run, f"{budget} s, bfloat16, 1 thread (this script)"),
+    ("dflash-long", dflash, f"{steps} steps like dspark-markov-long, bfloat16, 1 thread")], eval_dir))
+EOF

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Serving throughput before and after batched attention, same load, same machine, one run each:
-#   bash bench/serve_attention.sh [BASE_COMMIT]      (default BASE_COMMIT: f451811, the last per-request commit)
+#   bash scripts/serve_attention.sh [BASE_COMMIT]      (default BASE_COMMIT: f451811, the last per-request commit)
 # Runs `dspark --threads 1 bench serve --drafter none --dtype bfloat16 --policies all --concurrency 1,4,16
 # --num-requests 16 --max-tokens 64 --temperature 0` on BASE_COMMIT's source (git archive into a temporary
 # folder) and then on this tree, and writes docs/serving/attention.md (plus both runs' JSON and figures under
@@ -31,7 +31,7 @@ rows = [[str(c), fmt(before[c]["total_tokens_per_s"], 1), fmt(after[c]["total_to
 table = markdown_table(["clients", f"total tok/s at {base}", "total tok/s now", "ratio",
                         f"per-user tok/s at {base}", "per-user tok/s now"], rows)
 (out.parent / "attention.md").write_text(
-    "# Serving with batched attention\n\nWritten by `bash bench/serve_attention.sh " + base + "`: `dspark --threads 1 "
+    "# Serving with batched attention\n\nWritten by `bash scripts/serve_attention.sh " + base + "`: `dspark --threads 1 "
     "bench serve --drafter none --dtype bfloat16 --policies all --concurrency 1,4,16 --num-requests 16 "
     "--max-tokens 64 --temperature 0` on the source of commit " + base + " (attention as a loop over requests "
     "in every layer) and on this tree (one call per layer over the KV pool), one after the other on the same "

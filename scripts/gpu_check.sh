@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU check: what `--device cuda` has to do, in at most 8 minutes on one GPU (steps 1-6 caps sum to 480 s, step 7 adds 300 s;
 # docs/gpu.md says what each step checks).
-#   bash bench/gpu_check.sh            writes logs and summary.md to $OUT (default runs/gpu-check)
+#   bash scripts/gpu_check.sh            writes logs and summary.md to $OUT (default runs/gpu-check)
 # Steps (each capped by `timeout`; a failed step is recorded and the next one still runs):
 #   1 env      torch, CUDA and the GPU
 #   2 tests    the tests marked `cuda` (tiny models: greedy equality for every drafter kind, SDPA, devices, bf16)
@@ -23,7 +23,7 @@ DSPARK=("$PY" -m dspark.cli)
 TRAIN_SECONDS=${TRAIN_SECONDS:-120}
 mkdir -p "$OUT"
 SUMMARY="$OUT/summary.md"
-printf '# GPU check\n\n`bash bench/gpu_check.sh` (OUT=%s), started %s\n\n| step | result | seconds |\n|---|---|---|\n' \
+printf '# GPU check\n\n`bash scripts/gpu_check.sh` (OUT=%s), started %s\n\n| step | result | seconds |\n|---|---|---|\n' \
   "$OUT" "$(date -u '+%Y-%m-%d %H:%M:%S UTC')" > "$SUMMARY"
 FAILED=0
 
@@ -115,7 +115,7 @@ ${DSPARK[*]} train --config smollm2-dspark-markov --device cuda --out '$OUT/engi
 for engine in ${engines[*]}; do
   py=\$([ \$engine = vllm ] && echo '$VLLM_PY' || echo '$SGLANG_PY')
   cmd=\$(${DSPARK[*]} export --to \$engine '$OUT/engines-train/step_latest' '$OUT/export-'\$engine --target \"\$TARGET\" | tail -n 1)
-  '$PY' bench/interop_vllm.py --launch \"\$cmd\" --python \"\$py\" --work '$OUT/engines-'\$engine --port 8790
+  '$PY' scripts/interop_vllm.py --launch \"\$cmd\" --python \"\$py\" --work '$OUT/engines-'\$engine --port 8790
 done
 "
 fi

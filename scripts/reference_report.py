@@ -1,13 +1,13 @@
 """Write docs/results.md: the shipped reference drafter against its DFlash twin, prompt lookup and hybrid.
 
-Reads the `dspark eval` and `dspark calibrate` results and the training summaries; bench/reference_eval.sh runs
+Reads the `dspark eval` and `dspark calibrate` results and the training summaries; scripts/reference_eval.sh runs
 them all (each command is there) and then this script:
 
-    python bench/reference_report.py --run runs/ref --eval runs/ref-eval [--out docs/results.md]
+    python scripts/reference_report.py --run runs/ref --eval runs/ref-eval [--out docs/results.md]
 
 --eval holds t0, t0-hybrid (temperature 0), t1, t1-hybrid (temperature 1) and t1-sts (temperature 1 with the STS
 temperatures of --calibration applied); t0-hybrid-static and t1-hybrid-static, where present, are the hybrid's
-evaluations from before its adaptive choice on short n-gram matches (rows hybrid-static). Stage 2 (optional): --data-mix and --data-mix-t1 are bench/data_mix.sh's
+evaluations from before its adaptive choice on short n-gram matches (rows hybrid-static). Stage 2 (optional): --data-mix and --data-mix-t1 are scripts/data_mix.sh's
 EVAL and EVAL1 folders; their rows are dspark-stage2 (more regenerated answers) and dspark-label (teacher-forced
 labelled text), both fine-tuned from stage 1.
 The per-position curves and the reliability diagram are copied to docs/figures/reference/.
@@ -97,13 +97,13 @@ def _copy_curves(ev: Path, figures: Path, out: Path) -> list[str]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--run", default="runs/ref", help="bench/reference_drafter.sh's RUN folder")
+    p.add_argument("--run", default="runs/ref", help="scripts/reference_drafter.sh's RUN folder")
     p.add_argument("--eval", default="runs/ref-eval", help="folder of the four evaluations")
     p.add_argument("--eval2", default=None,
                    help="folder of stage 2's evaluations (the same four, drafters dspark-stage2 and hybrid-stage2)")
     p.add_argument("--data-mix", default=None,
-                   help="bench/data_mix.sh's EVAL folder (regen/ and label/, greedy): the two stage-2 arms")
-    p.add_argument("--data-mix-t1", default=None, help="bench/data_mix.sh's EVAL1 folder (temperature 1)")
+                   help="scripts/data_mix.sh's EVAL folder (regen/ and label/, greedy): the two stage-2 arms")
+    p.add_argument("--data-mix-t1", default=None, help="scripts/data_mix.sh's EVAL1 folder (temperature 1)")
     p.add_argument("--calibration", default=None, help="`dspark calibrate --out` folder of the reference drafter")
     p.add_argument("--sts-eval", default=None, help="temperature-1 evaluation with --sts (see the docstring)")
     p.add_argument("--out", default="docs/results.md")
@@ -121,11 +121,11 @@ def main() -> int:
         "# Results: the reference drafter (checkpoints/smollm2-135m-dspark)\n",
         "Paper Table 1 (acceptance length at temperature 0 and 1), the per-position curves and the confidence "
         "head's calibration, for the shipped DSpark drafter and DFlash trained beside it on the same data and "
-        "steps. Written by `python bench/reference_report.py --run runs/ref --eval runs/ref-eval --data-mix "
+        "steps. Written by `python scripts/reference_report.py --run runs/ref --eval runs/ref-eval --data-mix "
         "runs/data-mix-eval --data-mix-t1 runs/data-mix-eval-t1 --calibration runs/ref-calib --sts-eval "
-        "runs/ref-eval/t1-sts` (the last step of `bash bench/reference_eval.sh`) from the runs of `bash "
-        "bench/reference_drafter.sh` (data, training, packaging), `bash bench/data_mix.sh` (stage 2) and the "
-        "evaluations of bench/reference_eval.sh and bench/data_mix.sh (all 8 sets, 2 prompts each, 128 new "
+        "runs/ref-eval/t1-sts` (the last step of `bash scripts/reference_eval.sh`) from the runs of `bash "
+        "scripts/reference_drafter.sh` (data, training, packaging), `bash scripts/data_mix.sh` (stage 2) and the "
+        "evaluations of scripts/reference_eval.sh and scripts/data_mix.sh (all 8 sets, 2 prompts each, 128 new "
         "tokens, batch 1, every "
         "draft verified, float32, one thread). The shipped drafter is stage 1's `dspark`. The older study of all "
         "four drafters at minutes of training each (`dspark reproduce`) is [reports/results-study.md](reports/results-study.md).\n",
@@ -133,7 +133,7 @@ def main() -> int:
         "Stage 1: dspark and dflash side by side on the same data (the first 560 prompts' answers) from scratch. "
         "Stage 2 (when run): dspark2 and dspark-label side by side, both from dspark's last checkpoint "
         "(`--init-from`, fresh optimizer and schedule), on stage 1's cache plus the answers to prompts 561-1,200 "
-        "(dspark2) or teacher-forced labelled text (dspark-label) (bench/data_mix.sh).\n",
+        "(dspark2) or teacher-forced labelled text (dspark-label) (scripts/data_mix.sh).\n",
         "\n".join(markdown_table(
             ["drafter", "steps", "tokens seen", "train tok/s", "seconds", "trainer's tau estimate"],
             [[k, str(s["steps"]), f"{s['tokens_seen']:.0f}", fmt(s["tokens_per_s"], 0), fmt(s.get("train_seconds_total"), 0),
@@ -148,7 +148,7 @@ def main() -> int:
         mix = {"0": args.data_mix, "1": args.data_mix_t1}[temp]
         if mix:
             mix = Path(mix)
-            arm_names = {"regen": "dspark-stage2", "label": "dspark-label"}  # bench/data_mix.sh's drafter names
+            arm_names = {"regen": "dspark-stage2", "label": "dspark-label"}  # scripts/data_mix.sh's drafter names
             results.update({arm_names.get(k, k): d for arm in ("regen", "label") for k, d in _drafters(mix / arm).items()})
         if not results:
             continue

@@ -1,12 +1,12 @@
 """The scaling curve of docs/training-scale.md: tau against supervised training tokens, DSpark and DFlash.
 
-Reads the greedy evaluation that ``bench/scaling_curve.sh`` writes (one ``dspark eval`` folder holding every
-``dspark-N`` and ``dflash-N`` drafter of ``bench/scale_train.sh``), the tokenized set the points are prefixes
+Reads the greedy evaluation that ``scripts/scaling_curve.sh`` writes (one ``dspark eval`` folder holding every
+``dspark-N`` and ``dflash-N`` drafter of ``scripts/scale_train.sh``), the tokenized set the points are prefixes
 of (for their supervised-token counts) and each run's ``train_summary.json``; writes the table (tau overall and
 per domain with 95 % bootstrap intervals over prompts, DSpark - DFlash with a paired interval, the late
 positions' conditional acceptance) into the page and the figure next to it.
 
-    .venv/bin/python bench/scaling_report.py --eval runs/scale/eval-greedy --tok runs/scale/tok-label-1k \
+    .venv/bin/python scripts/scaling_report.py --eval runs/scale/eval-greedy --tok runs/scale/tok-label-1k \
         --train runs/scale/train --out docs/training-scale.md --figure docs/figures/scaling.png
 """
 

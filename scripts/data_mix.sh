@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Which training data buys the better drafter per CPU-hour: more regenerated answers, or teacher-forced labelled
 # text (docs/data-throughput.md §Which data per CPU-hour). Both arms start from the reference drafter's stage-1
-# weights (bench/reference_drafter.sh) and train for the same seconds on one thread each, side by side, on stage 1's
+# weights (scripts/reference_drafter.sh) and train for the same seconds on one thread each, side by side, on stage 1's
 # feature cache plus
-#   regen: the answers to the next prompts (stage 2's features2; stage 2 of bench/reference_drafter.sh is this arm)
+#   regen: the answers to the next prompts (stage 2's features2; stage 2 of scripts/reference_drafter.sh is this arm)
 #   label: LABEL_NUM records of `dspark data label` (about as many supervised tokens)
 # then both are evaluated as the reference drafter is (8 sets x 2 prompts, 128 new tokens, greedy and temperature 1,
 # one thread).
-# Every step resumes. Needs stage 1 and stage 2's data (features2) of bench/reference_drafter.sh first.
-#   bash bench/data_mix.sh            # RUN=runs/ref TRAIN_S=2400 LABEL_NUM=700
+# Every step resumes. Needs stage 1 and stage 2's data (features2) of scripts/reference_drafter.sh first.
+#   bash scripts/data_mix.sh            # RUN=runs/ref TRAIN_S=2400 LABEL_NUM=700
 set -euo pipefail
 DSPARK=${DSPARK:-.venv/bin/dspark}
 R=${RUN:-runs/ref}

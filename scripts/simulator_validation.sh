@@ -3,7 +3,7 @@
 # this machine's SPS table (`dspark profile`), prompt-lookup acceptance statistics and a length trace
 # (`dspark eval`), the real closed-loop load test (`dspark bench serve`), then `dspark simulate` at the same
 # loads with `--compare` against the measured rows. Single-threaded and short (about 15 minutes on 2 busy cores).
-#   bash bench/simulator_validation.sh
+#   bash scripts/simulator_validation.sh
 # Steps already done (their output file exists) are skipped.
 set -euo pipefail
 DSPARK=${DSPARK:-.venv/bin/dspark}

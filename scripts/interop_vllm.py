@@ -5,14 +5,14 @@ For each drafter (an Eagle3 of exactly 3 target layers, a DFlash in the anchor +
 2. exports it (`dspark export --to vllm`) and keeps the printed launch command,
 3. decodes the packaged evaluation prompts (--sets, --per-set each, --max-new-tokens, greedy) with `dspark eval`,
 4. runs the same prompt token ids in vLLM offline, greedy, plain and with the export
-   (bench/interop_vllm_engine.py, in vLLM's venv),
+   (scripts/interop_vllm_engine.py, in vLLM's venv),
 5. checks (a) every text equals vLLM's plain greedy text, (b) vLLM's acceptance length (its spec-decode counters:
    1 + accepted / drafts) is within --tolerance of ours on the same prompts and checkpoint, counted the same way
    (1 + accepted drafts / steps that verified at least one draft, from `dspark eval`'s samples.jsonl), and
    (c) the printed launch command starts a server that answers a completion and counts drafts on /metrics,
 6. writes docs/interop/vllm-cpu.json and the table between the markers in docs/interop.md.
 
-usage: python bench/interop_vllm.py --vllm-python .venv-vllm/bin/python --data data/tok [--eagle3 CKPT]
+usage: python scripts/interop_vllm.py --vllm-python .venv-vllm/bin/python --data data/tok [--eagle3 CKPT]
        [--dflash CKPT] [--steps 80] [--work runs/interop] [--no-launch]
 Exits 1 when a check fails, 2 when vLLM is missing or of another version.
 """
@@ -189,7 +189,7 @@ def write_docs(rows: list[dict], version: str, command: str) -> None:
     out.write_text(json.dumps(rows, indent=2) + "\n")
     lines = [TABLE_START, "",
              f"vLLM {version} (CPU build), offline, greedy, float32; written by `{command}` "
-             "(bench/interop_vllm.py) into docs/interop/vllm-cpu.json.", "",
+             "(scripts/interop_vllm.py) into docs/interop/vllm-cpu.json.", "",
              "| drafter | vLLM method | prompts | texts equal to vLLM's plain greedy | tau vLLM | tau dspark eval | "
              "difference | launch command works |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -225,7 +225,7 @@ def main() -> int:
     p.add_argument("--no-launch", action="store_true", help="skip check (c), the server launch")
     p.add_argument("--port", type=int, default=8765)
     p.add_argument("--launch", default=None, metavar="COMMAND",
-                   help="only check (c) for this printed launch command, run with --python (bench/gpu_check.sh)")
+                   help="only check (c) for this printed launch command, run with --python (scripts/gpu_check.sh)")
     p.add_argument("--python", default=None, help="with --launch: the engine's python")
     args = p.parse_args()
     if args.launch:
@@ -267,7 +267,7 @@ def main() -> int:
         ok &= good
         print(f"{n}: texts equal {equal}/{len(prompts)}, tau vLLM {tau_vllm:.3f} vs dspark {taus[n]:.3f}, "
               f"launch {launch_ok}: {'ok' if good else 'FAILED'}", flush=True)
-    command = "python bench/interop_vllm.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    command = "python scripts/interop_vllm.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     write_docs(rows, version, command)
     return 0 if ok else 1
 

@@ -8,7 +8,7 @@ LM head, bf16 conversion and the shard writes). Each of ``--procs`` processes (o
 takes its share of the sequences and times the two alternately, ``--repeats`` times, so machine load falls on
 both alike; the rates are summed over the processes.
 
-    .venv/bin/python bench/label_throughput.py --data runs/scale/tok-label-1k --num 60 --procs 2 --dtypes bfloat16,float32
+    .venv/bin/python scripts/label_throughput.py --data runs/scale/tok-label-1k --num 60 --procs 2 --dtypes bfloat16,float32
 """
 
 from __future__ import annotations

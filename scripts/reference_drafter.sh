@@ -4,7 +4,7 @@
 # cache -> DSpark (Markov head) and DFlash trained side by side for TRAIN_S seconds each in bf16 on one thread,
 # with an 8,192-token draft vocabulary -> packaged (bf16, frozen embeddings left out, draft vocabulary inside).
 # Every step is resumable: rerun the same command after an interruption.
-#   bash bench/reference_drafter.sh                 # RUN=runs/ref NUM=... TRAIN_S=... (defaults: what was shipped)
+#   bash scripts/reference_drafter.sh                 # RUN=runs/ref NUM=... TRAIN_S=... (defaults: what was shipped)
 set -euo pipefail
 DSPARK=${DSPARK:-.venv/bin/dspark}
 R=${RUN:-runs/ref}
@@ -38,7 +38,7 @@ PY
 # The answers to the next prompts (the first NUM2 of the 3,000) go into a feature cache of their own; DSpark then
 # trains on both caches (cache_dir as a list), starting from stage 1's weights with a fresh optimizer and LR schedule
 # (--init-from) for TRAIN2_S seconds on THREADS2 threads. Skipped unless NUM2 > NUM. Run with NUM2=1200: it is the
-# "regen" arm of bench/data_mix.sh, which also trains the labelled-text arm and evaluates both.
+# "regen" arm of scripts/data_mix.sh, which also trains the labelled-text arm and evaluates both.
 NUM2=${NUM2:-0}
 TRAIN2_S=${TRAIN2_S:-2400}
 THREADS2=${THREADS2:-1}

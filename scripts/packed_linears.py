@@ -1,6 +1,6 @@
 """Time prepacked CPU matmuls (dspark.modeling.packed) against plain nn.Linear, and check batch invariance.
 
-    python bench/packed_linears.py [--threads 1] [--out docs/reports/performance-packing.md]
+    python scripts/packed_linears.py [--threads 1] [--out docs/reports/performance-packing.md]
 
 For the default target (SmolLM2-135M) in float32 and bfloat16, in the decoding layout (fused q/k/v and gate/up):
 the median wall time of a one-token step and an 8-token verify block after a prompt in the cache, and of the
@@ -122,7 +122,7 @@ def main() -> int:
     prompt_len = len(ids)
     lines = [
         "# Prepacked CPU matmuls", "",
-        f"Written by `python bench/packed_linears.py --threads {args.threads}` (median of {args.repeats} calls per "
+        f"Written by `python scripts/packed_linears.py --threads {args.threads}` (median of {args.repeats} calls per "
         f"cell, one process; torch {torch.__version__}, {torch.get_num_threads()} thread(s)). The target "
         f"SmolLM2-135M in the decoding layout (fused q/k/v and gate/up), a prompt of {prompt_len} tokens in the "
         "cache; `ratio` = nn.Linear over packed. See `src/dspark/modeling/packed.py`. A 1-token step 'as two' is "

@@ -1,13 +1,13 @@
 """The vLLM side of `make interop`: run prompts (token ids) through vLLM offline, greedy, plain and with drafters.
 
-Runs in vLLM's own venv (it imports vllm, never dspark); bench/interop_vllm.py writes its input and reads its
+Runs in vLLM's own venv (it imports vllm, never dspark); scripts/interop_vllm.py writes its input and reads its
 output. Input JSON: {"target": DIR, "dtype": "float32", "max_tokens": 128, "prompts": [[ids], ...],
 "runs": [{"name": "plain", "speculative_config": null}, {"name": ..., "speculative_config": {...}}, ...]}.
 Output JSON: {"vllm_version", "runs": {name: {"outputs": [[ids], ...], "num_drafts", "num_draft_tokens",
 "num_accepted_tokens", "seconds"}}}. The counters are vLLM's own (``LLM.get_metrics()``:
 ``vllm:spec_decode_num_drafts`` and friends); acceptance length = 1 + accepted / drafts.
 
-usage: $VLLM_VENV/bin/python bench/interop_vllm_engine.py IN.json OUT.json
+usage: $VLLM_VENV/bin/python scripts/interop_vllm_engine.py IN.json OUT.json
 """
 
 from __future__ import annotations

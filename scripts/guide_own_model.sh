@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs every command of docs/guide/own-model.md at toy sizes (minutes on a CPU) in a scratch folder, to check
-# that the page's commands and flags work: bash bench/guide_own_model.sh [MODEL] [WORKDIR]
+# that the page's commands and flags work: bash scripts/guide_own_model.sh [MODEL] [WORKDIR]
 # MODEL defaults to the SmolLM2 folder `dspark prepare` writes. The exports of a non-Qwen3 model are expected
 # to be refused (exit status 2, one line naming the reason), as the page says; serve is started, asked for
 # /v1/models and stopped. DSPARK (default: .venv/bin/dspark) is the command to run.

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Evaluate the reference drafter and write docs/results.md (paper Table 1 at T=0 and T=1, per-position curves,
-# calibration). Run after bench/reference_drafter.sh (and, for the stage-2 rows, bench/data_mix.sh).
+# calibration). Run after scripts/reference_drafter.sh (and, for the stage-2 rows, scripts/data_mix.sh).
 #
-#   bash bench/reference_eval.sh [RUN] [EVAL]        # defaults: runs/ref runs/ref-eval
+#   bash scripts/reference_eval.sh [RUN] [EVAL]        # defaults: runs/ref runs/ref-eval
 #
 # Every step is skipped when its output exists, so an interrupted run resumes. One thread per step, float32
 # (the evaluations are acceptance statistics, not timings). About 50 minutes on a 2-core CPU.
@@ -32,5 +32,5 @@ done
 MIX=()
 [ -d runs/data-mix-eval ] && MIX+=(--data-mix runs/data-mix-eval)
 [ -d runs/data-mix-eval-t1 ] && MIX+=(--data-mix-t1 runs/data-mix-eval-t1)
-.venv/bin/python bench/reference_report.py --run "$RUN" --eval "$EVAL" "${MIX[@]}" --calibration "$CALIB" \
+.venv/bin/python scripts/reference_report.py --run "$RUN" --eval "$EVAL" "${MIX[@]}" --calibration "$CALIB" \
   --sts-eval "$EVAL/t1-sts" --out docs/results.md

@@ -1,6 +1,6 @@
 """Offline plain decoding with attention batched over the requests against the per-request loop it replaced.
 
-    PYTHONPATH=src python bench/batched_attention.py --threads 1 [--batches 1,4,16,32] [--max-new-tokens 64]
+    PYTHONPATH=src python scripts/batched_attention.py --threads 1 [--batches 1,4,16,32] [--max-new-tokens 64]
         [--repeats 2] [--max-prompt-tokens 256] [--out docs/reports/performance-attention.md]
 
 ``SpeculativeGenerator`` with no drafter (plain decoding), SmolLM2-135M in bfloat16 in the decoding layout
@@ -80,7 +80,7 @@ def main() -> None:
                      fmt(best["batched"][1] / best["per-request"][1], 2) + "x", "yes" if same else "no"])
     table = markdown_table(["batch", "per-request tok/s", "batched tok/s", "ratio", "decode per-request",
                             "decode batched", "decode ratio", "same tokens"], rows)
-    command = "PYTHONPATH=src python bench/batched_attention.py " + " ".join(sys.argv[1:])
+    command = "PYTHONPATH=src python scripts/batched_attention.py " + " ".join(sys.argv[1:])
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     page = (f"# Batched attention: offline plain decoding\n\nWritten by `{command}`\n"
             f"(torch {torch.__version__}, {torch.get_num_threads()} thread(s), SmolLM2-135M bfloat16, greedy, "

@@ -1,9 +1,9 @@
 """The table of docs/serving/simulator-validation.md: measured against simulated, for the three timing tables.
 
-    python bench/simulator_validation_report.py docs/serving/validation
+    python scripts/simulator_validation_report.py docs/serving/validation
 
 Reads simulate_before.json, simulate_after.json and simulate_observed.json (each `dspark simulate ... --compare`
-output of bench/simulator_validation.sh) and prints a Markdown table, then how many errors lie within 15 %.
+output of scripts/simulator_validation.sh) and prints a Markdown table, then how many errors lie within 15 %.
 """
 
 from __future__ import annotations

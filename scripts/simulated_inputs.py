@@ -3,7 +3,7 @@
 Writes docs/serving/simulated/inputs.md (curve fits, roofline assumptions, SPS samples),
 acceptance_<domain>.png (the fitted Fig. 2 curves), paper_drafters.json (DSpark's simulator statistics) and
 sps_dense_8b_h200.json.
-    .venv/bin/python bench/simulated_inputs.py
+    .venv/bin/python scripts/simulated_inputs.py
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     fits = fit_curves("Qwen3-8B")
     lines = ["# Inputs of the simulated paper setting", "",
-             "Written by `.venv/bin/python bench/simulated_inputs.py` (src/dspark/simulate/paper.py, roofline.py).", "",
+             "Written by `.venv/bin/python scripts/simulated_inputs.py` (src/dspark/simulate/paper.py, roofline.py).", "",
              "## Acceptance: paper Table 1 (Qwen3-8B) and the Fig. 2 values stated in §4.3.1", "",
              "| drafter | domain | Table 1 tau | stated (Qwen3-4B) | fitted | p_1 | slope | p_1..p_7 |",
              "|---|---|---:|---|---|---:|---:|---|"]

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The drafter-at-scale runs (docs/training-scale.md) on the slices of bench/scale_data.sh, and the scaling curve:
+# The drafter-at-scale runs (docs/training-scale.md) on the slices of scripts/scale_data.sh, and the scaling curve:
 # DSpark (Markov head) and DFlash trained on the first N sequences of the labelled set for 3 passes each (equal
 # steps per token), N = 330, 1000, 3500 and all 13,875 (about 0.1 M, 0.3 M, 1.1 M and 4.2 M tokens; 0.06 M,
 # 0.2 M, 0.7 M and 2.7 M supervised), Qwen3-shaped draft layers (q/k RMSNorm: the layout SGLang and vLLM load),
@@ -9,8 +9,8 @@
 #
 # A run is longer than a sitting: every training stops after SESSION_S seconds with a checkpoint (session_time_s:
 # the LR schedule stays the step count's) and the same command resumes it; finished runs are skipped.
-#   bash bench/scale_train.sh 330 1000        # points to train now (default: all four, then eagle3)
-#   SESSION_S=3000 bash bench/scale_train.sh all eagle3
+#   bash scripts/scale_train.sh 330 1000        # points to train now (default: all four, then eagle3)
+#   SESSION_S=3000 bash scripts/scale_train.sh all eagle3
 set -euo pipefail
 DSPARK=${DSPARK:-.venv/bin/dspark}
 R=${R:-runs/scale}

@@ -1,6 +1,6 @@
 """Model-state memory per rank for the bundled Qwen3-8B DSpark recipe under DDP and FSDP (docs/training.md §FSDP).
 
-    .venv/bin/python bench/fsdp_memory.py
+    .venv/bin/python scripts/fsdp_memory.py
 
 Counts parameters of the drafter built on the meta device from Qwen3-8B's published config (no weights
 needed) and prints GiB per rank of what sits in memory between steps: the frozen target, the drafter's

@@ -5,7 +5,7 @@
 #   A = sequences [0, 1000)  (~0.3 M tokens)   B = [1000, 3500) (~1.1 M in all)   C = [3500, end) (~4.2 M in all)
 # Each slice is labelled by two processes (torchrun, one thread each) in bfloat16. Every step resumes: rerun the
 # same command after an interruption (a slice resumes with the same number of processes).
-#   bash bench/scale_data.sh              # R=runs/scale NUM=16000 PROCS=2
+#   bash scripts/scale_data.sh              # R=runs/scale NUM=16000 PROCS=2
 set -euo pipefail
 DSPARK=${DSPARK:-.venv/bin/dspark}
 TORCHRUN=${TORCHRUN:-.venv/bin/torchrun}

@@ -4,8 +4,8 @@ Every drafter of the chosen ablation (the series of ``dspark reproduce --ablatio
 feature cache for the same wall-clock budget with one thread, then all are evaluated together on a few samples
 per benchmark. Writes docs/reports/ablation-<kind>.md and docs/reports/figures/ablation_<kind>.png.
 
-    python bench/ablation.py depth --budget-s 150 --limit 1
-    python bench/ablation.py block --budget-s 150 --limit 2
+    python scripts/ablation.py depth --budget-s 150 --limit 1
+    python scripts/ablation.py block --budget-s 150 --limit 2
 
 Needs runs/study from ``dspark reproduce --budget cpu --out runs/study`` (tokenized data and the feature cache).
 Resumable: finished trainings are kept (``--resume``) and the evaluation resumes per sample.

@@ -1,6 +1,6 @@
 """Regeneration throughput (docs/data-throughput.md): static batches against the continuous-batching engine.
 
-    .venv/bin/python bench/regenerate_throughput.py --threads 1 --num 48 --max-new-tokens 128 \
+    .venv/bin/python scripts/regenerate_throughput.py --threads 1 --num 48 --max-new-tokens 128 \
         --static-batch 8 --batch-sizes 8,16,32
 
 Builds --num training prompts from the offline sources (`dspark data prompts`, seed 0), regenerates
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
                                                  batch_invariant=True)
         return targets[(dtype, pack)]
 
-    rows, command = [], "    .venv/bin/python bench/regenerate_throughput.py " + " ".join(argv or sys.argv[1:])
+    rows, command = [], "    .venv/bin/python scripts/regenerate_throughput.py " + " ".join(argv or sys.argv[1:])
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         prompts = tmp / "prompts.jsonl"
