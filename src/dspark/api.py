@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from dspark.drafters.options import DraftingOptions
-from dspark.target.loading import load_decoding_target
 from dspark.errors import DSparkError, PromptError
 from dspark.generation.stats import AcceptanceStats
 from dspark.sampling.processing import SamplingParams
+from dspark.target.loading import load_decoding_target
 from dspark.target.presets import DEFAULT_TARGET
 
 Messages = Sequence[dict[str, str]]  # [{"role": "user", "content": "..."}, ...]

@@ -15,12 +15,12 @@ import sys
 from pathlib import Path
 
 from dspark.bench import train as train_bench
-from dspark.data.eval_sets import DEFAULT_SEED
 from dspark.cli_options import add_device_option, add_dtype_option, resolve_target_args
-from dspark.target.loading import resolve_device
-from dspark.evaluation.cli import parse_jsonl
+from dspark.data.eval_sets import DEFAULT_SEED
 from dspark.errors import DSparkError
+from dspark.evaluation.cli import parse_jsonl
 from dspark.serving.cli import add_model_args, set_threads
+from dspark.target.loading import resolve_device
 from dspark.target.presets import DEFAULT_TARGET
 
 DEFAULT_SPEED_OUT = "docs/performance"

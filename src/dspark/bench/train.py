@@ -99,8 +99,8 @@ def _time_steps(trainer, steps: int, warmup: int) -> tuple[dict[str, float], int
     part (timed steps only), tokens and seconds in total of the timed steps."""
     import torch
 
-    from dspark.training.trainer import micro_generator
     from dspark.training.samples import to_device
+    from dspark.training.trainer import micro_generator
 
     net = trainer.net
     model, loss_fn = net.model, net.loss

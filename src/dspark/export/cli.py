@@ -10,9 +10,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dspark.target.loading import DTYPE_NAMES
 from dspark.errors import DSparkError
 from dspark.export.engines import ENGINES
+from dspark.target.loading import DTYPE_NAMES
 
 TARGETS = (*ENGINES, "vocab")
 
