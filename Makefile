@@ -28,12 +28,13 @@ test-fast: $(STAMP)
 results: $(STAMP)
 	$(BIN)/dspark reproduce
 
+# `make bench`: single-request decoding speed into docs/reports/performance.md (ARGS: any `dspark bench speed` flag)
 bench: $(STAMP)
-	$(BIN)/python bench/speed.py
+	$(BIN)/dspark bench speed $(ARGS)
 
 # `make interop`: exports checked in a real engine (not part of `make test`; docs/interop.md §Checked in vLLM).
 # vLLM's CPU build lives in its own venv: VLLM_VENV=/path reuses one, else .venv-vllm is made here.
-# INTEROP_ARGS passes options to bench/interop_vllm.py (e.g. --data data/tok --steps 80 --no-launch).
+# INTEROP_ARGS passes options to scripts/interop_vllm.py (e.g. --data data/tok --steps 80 --no-launch).
 VLLM_VENV ?= .venv-vllm
 VLLM_PIN := 0.32.0
 INTEROP_ARGS ?=
@@ -48,4 +49,4 @@ $(VLLM_VENV)/.installed:
 .PHONY: interop
 interop: $(STAMP)
 	@if [ "$(VLLM_VENV)" = ".venv-vllm" ]; then $(MAKE) -s $(VLLM_VENV)/.installed; fi
-	$(BIN)/python bench/interop_vllm.py --vllm-python $(VLLM_VENV)/bin/python $(INTEROP_ARGS)
+	$(BIN)/python scripts/interop_vllm.py --vllm-python $(VLLM_VENV)/bin/python $(INTEROP_ARGS)

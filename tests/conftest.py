@@ -58,7 +58,7 @@ def _sources(item) -> list[str]:
 
 def pytest_collection_modifyitems(config, items):
     """Mark the tiers (above); tests marked ``cuda`` need a GPU: skipped without one
-    (bench/gpu_check.sh runs them where one exists)."""
+    (scripts/gpu_check.sh runs them where one exists)."""
     skip_cuda = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         sources = _sources(item)

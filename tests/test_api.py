@@ -11,7 +11,7 @@ import sys
 import pytest
 
 import dspark
-from dspark.drafters.options import load_target_from_args
+from dspark.cli_options import load_target_from_args
 from dspark.errors import DSparkError, ModelLoadError, PromptError
 from tests.tiny import save_chat_target
 

@@ -22,8 +22,9 @@ LAYERS: list[set[str]] = [
     {"sampling", "modeling"},
     {"target"},
     {"drafters"},
+    {"cli_options"},  # the flags every command shares: maps argparse onto target loading and DraftingOptions
     {"generation", "scheduler"},
-    {"data", "training", "evaluation", "serving", "simulate"},
+    {"data", "training", "evaluation", "serving", "simulate", "export"},
     {"bench", "studies"},
     {"cli", "cli_reference", "api", "__main__"},
 ]
@@ -102,6 +103,27 @@ def test_no_cycles_inside_a_layer():
 
     cycles = sorted(f"{a} <-> {b}" for a in graph for b in graph[a] if reaches(b, a, {b}))
     assert not cycles, f"packages of one layer that import each other: {cycles}"
+
+
+def _argparse_users(root: Path) -> list[str]:
+    return [str(path.relative_to(root.parent)) for path in sorted(root.rglob("*.py"))
+            if any(isinstance(node, (ast.Import, ast.ImportFrom))
+                   and "argparse" in ([a.name for a in node.names] if isinstance(node, ast.Import) else [node.module])
+                   for node in ast.walk(ast.parse(path.read_text(), str(path))))]
+
+
+def test_the_library_below_the_commands_knows_nothing_of_argparse():
+    """sampling, modeling, target and drafters take values, not parsed flags (the flags: dspark.cli_options)."""
+    found = [f for pkg in ("sampling", "modeling", "target", "drafters") for f in _argparse_users(SRC / pkg)
+             if not f.endswith("/cli.py")]
+    assert not found, f"library modules that import argparse: {found}"
+
+
+def test_the_argparse_check_sees_an_import(tmp_path):
+    """Negative control: a drafter module that imports argparse is reported."""
+    (tmp_path / "drafters").mkdir()
+    (tmp_path / "drafters" / "options.py").write_text("from argparse import Namespace\n")
+    assert _argparse_users(tmp_path / "drafters") == ["drafters/options.py"]
 
 
 @pytest.mark.parametrize("statement", ["import dspark.cli", "from dspark.serving import server",

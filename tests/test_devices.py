@@ -2,7 +2,7 @@
 
 On every machine: ``--device`` / ``--dtype`` resolution, ``--device cuda`` without a GPU (exit 2, one line), the
 checkpoint dtype, the extras' one-line errors. Tests marked ``cuda`` need a GPU (tests/conftest.py skips them
-elsewhere; bench/gpu_check.sh runs them): the target, its caches and every drafter on the GPU, SDPA attention
+elsewhere; scripts/gpu_check.sh runs them): the target, its caches and every drafter on the GPU, SDPA attention
 there, and greedy speculative output equal to plain greedy output for every drafter.
 """
 
@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from dspark.cli import build_parser, main
-from dspark.drafters.options import default_dtype_name, load_target_from_args, resolve_device, resolve_target_args
+from dspark.cli_options import load_target_from_args, resolve_target_args
+from dspark.target.loading import default_dtype_name, resolve_device
 from dspark.errors import DSparkError
 from dspark.extras import EXTRAS, MissingExtraError, require
 from tests.tiny import save_hf_folder, tiny_config, tiny_target

@@ -5,7 +5,7 @@
     out = sd.chat("Write a prime sieve in Python.", max_new_tokens=128)
     print(out.text, out.acceptance_length)
 
-``load`` reads the target the way every decoding command does (``dspark.drafters.options.load_decoding_target``:
+``load`` reads the target the way every decoding command does (``dspark.target.loading.load_decoding_target``:
 the fused, prepacked layout, batch-invariant one-token steps, bfloat16 on a GPU and float32 on a CPU) and the
 drafter the way ``--drafter`` names it (``dspark.drafters.registry.load_drafter``). ``generate`` decodes a static
 batch (``dspark.generation.generator.SpeculativeGenerator``); ``stream`` / ``stream_chat`` and ``engine`` go
@@ -22,10 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dspark.drafters.options import DraftingOptions, load_decoding_target
+from dspark.drafters.options import DraftingOptions
 from dspark.errors import DSparkError, PromptError
 from dspark.generation.stats import AcceptanceStats
 from dspark.sampling.processing import SamplingParams
+from dspark.target.loading import load_decoding_target
 from dspark.target.presets import DEFAULT_TARGET
 
 Messages = Sequence[dict[str, str]]  # [{"role": "user", "content": "..."}, ...]

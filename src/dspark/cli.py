@@ -14,6 +14,7 @@ from dspark.bench import cli as bench_cli
 from dspark.data import cli as data_cli
 from dspark.errors import DSparkError
 from dspark.evaluation import cli as evaluation_cli
+from dspark.export import cli as export_cli
 from dspark.generation import cli as generation_cli
 from dspark.scheduler import cli as scheduler_cli
 from dspark.serving import cli as serving_cli
@@ -21,8 +22,6 @@ from dspark.simulate import cli as simulate_cli
 from dspark.studies import cli as studies_cli
 from dspark.target import cli as target_cli
 from dspark.training import cli as training_cli
-from dspark.training import export as training_export
-from dspark.training import export_engines
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
@@ -50,8 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     generation_cli.add_cli(sub)  # generate
     data_cli.add_cli(sub)  # data {prompts, regenerate, tokenize, features, vocab}
     training_cli.add_cli(sub)  # train
-    training_export.add_cli(sub)  # export-vocab
-    export_engines.add_cli(sub)  # export --to sglang|vllm
+    export_cli.add_cli(sub)  # export --to sglang|vllm|vocab (and export-vocab, deprecated)
     evaluation_cli.add_cli(sub)  # eval, calibrate
     studies_cli.add_reproduce(sub)  # reproduce
     scheduler_cli.add_cli(sub)  # profile

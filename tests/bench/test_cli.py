@@ -45,7 +45,7 @@ def test_bench_without_a_command_prints_its_help(capsys):
 @pytest.mark.parametrize("argv, command, expected", [
     (["dspark", "--threads", "1", "bench", "speed", "--per-set", "1"], "speed",
      "dspark bench speed --threads 1 --per-set 1"),
-    (["bench/serve_load.py", "--max-tokens", "8"], "serve", "dspark bench serve --max-tokens 8"),  # the bench/ script
+    (["my_serve_load.py", "--max-tokens", "8"], "serve", "dspark bench serve --max-tokens 8"),  # a script passing flags only
 ])
 def test_the_report_names_the_command_that_ran(monkeypatch, argv, command, expected):
     monkeypatch.setattr(sys, "argv", argv)

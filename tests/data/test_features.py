@@ -315,7 +315,7 @@ def test_torchrun_two_cpu_processes_build_the_one_process_cache(tmp_path):
     data = token_data([14, 16, 9, 21, 11])
     tok = write_token_folder(tmp_path / "tok", data)
     from dspark.data.features import labelling_dtype
-    from dspark.drafters.options import torch_dtype
+    from dspark.target.loading import torch_dtype
 
     as_the_command = load_target(str(folder), tokenizer=False, fuse=True, dtype=torch_dtype(labelling_dtype("cpu")))
     whole = build_feature_cache(as_the_command, data, LAYERS, tmp_path / "whole", progress=False)

@@ -1,4 +1,4 @@
-"""`dspark export --to sglang|vllm`: the written folder is exactly what each engine's loader reads.
+"""`dspark export --to sglang|vllm|vocab`: the written folder is exactly what each engine's loader reads.
 
 Every export is passed through the simulated loaders of ``engine_loaders.py`` (restated from SGLang's and
 vLLM's source): no tensor may be ignored, no engine parameter left unfilled, the config must resolve to the
@@ -16,9 +16,10 @@ from safetensors.torch import load_file, save_file
 from dspark.cli import main
 from dspark.drafters.checkpoint import read_checkpoint_state
 from dspark.drafters.dspark.model import DSparkModel
+from dspark.drafters.draft_vocab import save_draft_vocab
 from dspark.drafters.dspark.vocab import prune_to_draft_vocab
 from dspark.errors import DSparkError, IncompatibleModelsError
-from dspark.training.export_engines import export_for_engine, plan_export
+from dspark.export.engines import export_for_engine, plan_export
 from tests.drafters.tiny_drafters import LAYER_IDS, random_tokens, sample_for, tiny_dflash, tiny_dspark, tiny_eagle3
 from tests.tiny import tiny_target
 
@@ -267,3 +268,23 @@ def test_cli_prints_the_command_or_one_line_refusal(qwen3, llama, tmp_path, caps
     assert main(["export", "--to", "sglang", str(bad), str(tmp_path / "o2")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Qwen3-shaped" in err
+
+
+def test_export_to_vocab_and_its_deprecated_form_write_the_same_checkpoint(qwen3, tmp_path, capsys):
+    full = _ckpt(tiny_dspark(qwen3), tmp_path / "full")
+    ids = torch.randperm(qwen3.vocab_size, generator=torch.Generator().manual_seed(1))[:40].tolist()
+    vocab = save_draft_vocab(tmp_path / "vocab.json", ids, qwen3.vocab_size, 0.9, "test")
+    assert main(["export", "--to", "vocab", str(full), str(tmp_path / "new"), "--vocab", str(vocab)]) == 0
+    out = capsys.readouterr()
+    assert "40-token draft vocabulary, bfloat16" in out.out and out.err == ""
+    assert main(["export-vocab", "--checkpoint", str(full), "--vocab", str(vocab), "--out", str(tmp_path / "old")]) == 0
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "deprecated" in err and "dspark export --to vocab" in err
+    new, old = load_file(str(tmp_path / "new" / "model.safetensors")), load_file(str(tmp_path / "old" / "model.safetensors"))
+    assert new.keys() == old.keys() and all(torch.equal(new[k], old[k]) for k in new)
+    assert sorted(new["draft_vocab"].tolist()) == sorted(ids)
+    # flags of the other kind of export are refused in one line
+    assert main(["export", "--to", "vocab", str(full), str(tmp_path / "x")]) == 2
+    assert main(["export", "--to", "vllm", str(full), str(tmp_path / "y"), "--vocab", str(vocab)]) == 2
+    err = capsys.readouterr().err
+    assert "needs --vocab" in err and "--vocab is for --to vocab" in err

@@ -13,7 +13,7 @@ from dspark.drafters.registry import load_drafter
 from dspark.generation.generator import SpeculativeGenerator
 from dspark.modeling.compile import compile_decoder
 from dspark.sampling.processing import SamplingParams
-from dspark.drafters.options import load_target_from_args
+from dspark.cli_options import load_target_from_args
 from tests.tiny import save_hf_folder, save_word_tokenizer, tiny_config, tiny_target
 
 

@@ -1,4 +1,4 @@
-"""The ablation series and the reduced ablation run of bench/ablation.py (the training and eval are faked)."""
+"""The ablation series and the reduced ablation run of scripts/ablation.py (the training and eval are faked)."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def test_reduced_run_trains_every_drafter_then_evaluates_them_together(tmp_path)
     assert all("time_budget_s=30" in c and "dtype=bfloat16" in c for c in ran[:6])
     assert f"dspark-L1={cfg.out / 'train' / 'dspark-L1' / LATEST}" in ran[-1]
     text = doc.read_text()
-    assert "Written by `python bench/ablation.py depth --budget-s 30 --limit 1 --dtype bfloat16`" in text
+    assert "Written by `python scripts/ablation.py depth --budget-s 30 --limit 1 --dtype bfloat16`" in text
     assert "| dspark-L3 | 10 | 5000 | 50 |" in text and fig.is_file()
 
 

@@ -1,4 +1,4 @@
-"""The training-runs budget table (bench/training_table.py) from fake `dspark train` outputs."""
+"""The training-runs budget table (scripts/training_table.py) from fake `dspark train` outputs."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def test_one_row_per_finished_run(tmp_path):
     save_file({"embed_tokens.weight": torch.zeros(10, 100), "layers.0.w": torch.zeros(1000, 1000)},
               str(run / "step_latest" / "model.safetensors"))
     (tmp_path / "train" / "unfinished").mkdir()
-    text = training_runs_markdown([tmp_path / "train"], "python bench/training_table.py")
-    assert "Written by `python bench/training_table.py`" in text
+    text = training_runs_markdown([tmp_path / "train"], "python scripts/training_table.py")
+    assert "Written by `python scripts/training_table.py`" in text
     rows = [line for line in text.splitlines() if line.startswith("| ") and "run |" not in line]
     assert rows == ["| dspark-markov | dspark | bfloat16 | 60 s | 12 | 4 | 48 | 9000 | 60 | 150 | 1.0M / 1.0M | 2.35 |"]

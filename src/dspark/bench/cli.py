@@ -15,11 +15,12 @@ import sys
 from pathlib import Path
 
 from dspark.bench import train as train_bench
+from dspark.cli_options import add_device_option, add_dtype_option, resolve_target_args
 from dspark.data.eval_sets import DEFAULT_SEED
-from dspark.drafters.options import add_device_option, add_dtype_option, resolve_device, resolve_target_args
-from dspark.evaluation.cli import parse_jsonl
 from dspark.errors import DSparkError
+from dspark.evaluation.cli import parse_jsonl
 from dspark.serving.cli import add_model_args, set_threads
+from dspark.target.loading import resolve_device
 from dspark.target.presets import DEFAULT_TARGET
 
 DEFAULT_SPEED_OUT = "docs/performance"
@@ -61,7 +62,8 @@ def _named_path(text: str) -> list[str]:
 
 
 def _command_line(command: str) -> str:
-    """The `dspark bench COMMAND ...` that ran, for the report (the bench/ scripts pass the flags only)."""
+    """The `dspark bench COMMAND ...` that ran, for the report (a script calling ``main(["bench", COMMAND, *flags])``
+    has only the flags in its argv)."""
     flags = sys.argv[1:]
     if "bench" in flags and command in flags:  # `dspark [--threads N] bench COMMAND ...`
         flags = flags[: flags.index("bench")] + flags[flags.index(command) + 1:]

@@ -231,14 +231,15 @@ def run_sweep(cfg: SweepConfig, log=print) -> tuple[list[dict], dict]:
 
     import torch
 
-    from dspark.drafters.options import DraftingOptions, torch_dtype
+    from dspark.drafters.options import DraftingOptions
     from dspark.drafters.registry import load_drafter
-    from dspark.scheduler.sts import load_sts_json
+    from dspark.scheduler.adapter import make_policy, parse_policy
     from dspark.scheduler.profile import load_or_profile
+    from dspark.scheduler.sts import load_sts_json
     from dspark.serving.engine import Engine, EngineConfig
     from dspark.serving.engine_stats import StepTimes
-    from dspark.scheduler.adapter import make_policy, parse_policy
     from dspark.serving.server import ServerConfig, ServerThread, create_app
+    from dspark.target.loading import torch_dtype
     from dspark.target.model import load_target
 
     specs = [parse_policy(p) for p in cfg.policies]  # fail early on a typo

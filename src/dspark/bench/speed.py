@@ -186,7 +186,7 @@ def _decode_tokens_per_s(calls: list[CallRecord]) -> float | None:
 
 def run_speed_bench(cfg: SpeedConfig, command: str = "", log=print) -> dict[str, Any]:
     from dspark.target.model import load_target
-    from dspark.drafters.options import torch_dtype
+    from dspark.target.loading import torch_dtype
 
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     t0 = time.perf_counter()

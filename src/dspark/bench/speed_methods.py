@@ -171,7 +171,7 @@ def build_methods(target, cfg: SpeedConfig, log=print, compiled_target=None) -> 
     """Every row the config asks for, models loaded once. ``compiled_target``: the same target, compiled."""
     from dspark.drafters.base import NoDrafter
     from dspark.drafters.registry import load_drafter
-    from dspark.drafters.options import torch_dtype
+    from dspark.target.loading import torch_dtype
 
     dtype = torch_dtype(cfg.dtype)
 

@@ -22,7 +22,8 @@ import sys
 import time
 from pathlib import Path
 
-from dspark.drafters.options import DTYPE_NAMES, add_device_option, resolve_device
+from dspark.cli_options import add_device_option
+from dspark.target.loading import DTYPE_NAMES, resolve_device
 from dspark.target.presets import DEFAULT_TARGET
 
 PARTS = ("target forward", "drafter forward", "loss", "backward", "optimizer")
@@ -98,8 +99,8 @@ def _time_steps(trainer, steps: int, warmup: int) -> tuple[dict[str, float], int
     part (timed steps only), tokens and seconds in total of the timed steps."""
     import torch
 
-    from dspark.training.trainer import micro_generator
     from dspark.training.samples import to_device
+    from dspark.training.trainer import micro_generator
 
     net = trainer.net
     model, loss_fn = net.model, net.loss

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from dspark.drafters.options import add_device_option, add_dtype_option, add_target_options
+from dspark.cli_options import add_device_option, add_dtype_option, add_target_options
 from dspark.errors import DSparkError
 from dspark.target.presets import DEFAULT_TARGET
 
@@ -76,7 +76,7 @@ def run_regenerate(args: argparse.Namespace) -> int:
         stats = regenerate_over_http(args.base_url, args.prompts, args.out, args.api_key or os.environ.get(
             "OPENAI_API_KEY"), args.model, args.concurrency, retry=retry, **sampling)
     else:
-        from dspark.drafters.options import load_target_from_args
+        from dspark.cli_options import load_target_from_args
 
         target = load_target_from_args(args)  # --device, --dtype, --compile; fused q/k/v and gate/up
         stats = regenerate(target, args.prompts, args.out, args.batch_size, static_batches=args.static_batches,
@@ -120,7 +120,8 @@ def run_features(args: argparse.Namespace) -> int:
 
     from dspark.data.features import build_feature_cache, bytes_per_token, join_ranks, labelling_dtype, leave_ranks
     from dspark.data.tokenized import check_tokenizer, load_tokenized
-    from dspark.drafters.options import resolve_device, resolve_target_args, torch_dtype
+    from dspark.cli_options import resolve_target_args
+    from dspark.target.loading import resolve_device, torch_dtype
     from dspark.target.model import load_target
 
     cfg = read_config_fields(args.config, args.overrides) if args.config else None

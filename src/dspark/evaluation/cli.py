@@ -16,7 +16,7 @@ from pathlib import Path
 from dspark.errors import DSparkError
 from dspark.tables import fmt
 from dspark.data.eval_sets import DEFAULT_SEED, EvalDataset
-from dspark.drafters.options import DraftingOptions, add_drafter_options, add_target_options, load_target_from_args
+from dspark.cli_options import add_drafter_options, add_target_options, drafting_options, load_target_from_args
 
 DEFAULT_MAX_NEW_TOKENS = 2048  # DeepSpec's evaluator
 
@@ -165,7 +165,7 @@ def _eval(args: argparse.Namespace) -> int:
     thresholds = parse_thresholds(args.sweep_thresholds) if args.sweep_thresholds else None
     datasets = eval_datasets(args)
     target = _load(args)
-    drafters = {name: load_drafter(spec, target, DraftingOptions.from_args(args)) for name, spec in named}
+    drafters = {name: load_drafter(spec, target, drafting_options(args)) for name, spec in named}
     temperatures = {n: load_sts_json(path, drafters[n].block_size) for n, path in sts_files.items()}
     progress = not args.no_progress
     out = Path(args.out)
@@ -201,7 +201,7 @@ def _calibrate(args: argparse.Namespace) -> int:
 
     datasets, heldout = heldout_datasets(args)
     target = _load(args)
-    drafter = load_drafter(args.drafter, target, DraftingOptions.from_args(args))
+    drafter = load_drafter(args.drafter, target, drafting_options(args))
     name = args.name or parse_named(args.drafter, "--drafter")[0]
     report = calibrate(
         target, drafter, datasets, args.out, temperature=args.temperature, max_new_tokens=args.max_new_tokens,

@@ -6,7 +6,7 @@ import argparse
 import json
 import time
 
-from dspark.drafters.options import DraftingOptions, add_drafter_options, add_target_options, load_target_from_args
+from dspark.cli_options import add_drafter_options, add_target_options, drafting_options, load_target_from_args
 from dspark.target.presets import DEFAULT_TARGET
 
 
@@ -56,7 +56,7 @@ def _generate(args: argparse.Namespace) -> int:
     from dspark.sampling.processing import SamplingParams
 
     target = load_target_from_args(args)
-    drafter = load_drafter(args.drafter, target, DraftingOptions.from_args(args))
+    drafter = load_drafter(args.drafter, target, drafting_options(args))
     prompt_ids = target.encode_chat(args.chat) if args.chat is not None else target.encode_text(args.prompt)
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.max_new_tokens, args.seed)
     target.check_prompt(prompt_ids, args.max_new_tokens)

@@ -7,7 +7,7 @@ decoder layers and the LM head once, at load (``load_target(fuse=True)`` on the
 CPU, the decoding layout), and ``PackedLinear`` multiplies against the packed copy.
 On SmolLM2-135M (one thread, bf16) an 8-token verify block gets about 1.5x faster, so verifying a block costs
 about what one token does; a DSpark/DFlash drafter loaded for decoding gets the same
-(``pack_all_linears``, keeping its parameters): docs/reports/performance-packing.md (``bench/packed_linears.py``).
+(``pack_all_linears``, keeping its parameters): docs/reports/performance-packing.md (``scripts/packed_linears.py``).
 
 The products are the same oneDNN kernels' (bf16: bitwise equal to ``nn.Linear`` for two rows
 or more, which ``TargetModel.batch_invariance_holds`` checks on the loaded model). The

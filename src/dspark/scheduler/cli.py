@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from dspark.target.presets import DEFAULT_TARGET
-from dspark.drafters.options import DraftingOptions, add_target_options, load_target_from_args
+from dspark.cli_options import add_target_options, drafting_options, load_target_from_args
 
 
 def add_cli(sub: argparse._SubParsersAction) -> None:
@@ -53,7 +53,7 @@ def _profile(args: argparse.Namespace) -> int:
     if args.drafter:
         from dspark.drafters.registry import load_drafter
 
-        capture = load_drafter(args.drafter, target, DraftingOptions.from_args(args)).target_layer_ids
+        capture = load_drafter(args.drafter, target, drafting_options(args)).target_layer_ids
     table = profile_target(target, args.block_size, args.max_requests, args.context_len, args.repeats,
                            args.warmup, capture, args.dense, prefill=args.prefill)
     table.save(args.out)

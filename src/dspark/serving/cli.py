@@ -12,7 +12,7 @@ import os
 import sys
 
 from dspark.target.presets import DEFAULT_TARGET
-from dspark.drafters.options import DraftingOptions, add_drafter_options, add_target_options, load_target_from_args
+from dspark.cli_options import add_drafter_options, add_target_options, drafting_options, load_target_from_args
 
 # --max-prompt-tokens on a CPU: SmolLM2-135M prefilled an 8,190-token prompt in 48 s on one busy core, so
 # half that is the most a client should wait for (docs/reliability.md)
@@ -136,7 +136,7 @@ def _serve(args: argparse.Namespace) -> int:
     target = load_target_from_args(args)
     if target.tokenizer is None:
         raise ModelLoadError(f"{args.target} has no tokenizer; the server needs one to read prompts")
-    drafter = load_drafter(args.drafter, target, DraftingOptions.from_args(args))
+    drafter = load_drafter(args.drafter, target, drafting_options(args))
     sps = None
     if spec.needs_sps_table:
         sps = load_or_profile(args.sps_table, target, max(drafter.block_size, 1), args.max_batch,

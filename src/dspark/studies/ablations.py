@@ -1,7 +1,7 @@
 """The drafter ablations: depth (paper Fig. 3) and draft length (paper Fig. 4).
 
 The series (which drafters, trained how, plotted where) are shared by ``dspark reproduce --ablations`` and the
-reduced ablation run of ``bench/ablation.py``: every drafter of one ablation is trained on a study's feature
+reduced ablation run of ``scripts/ablation.py``: every drafter of one ablation is trained on a study's feature
 cache for the same wall-clock budget with one thread, then all are evaluated together on a few samples per
 benchmark, and ``docs/reports/ablation-<kind>.md`` with ``docs/reports/figures/ablation_<kind>.png`` is written. The run is
 resumable: finished trainings are kept (``--resume``) and the evaluation resumes per sample.
@@ -73,7 +73,7 @@ def ablation_rows(results: dict[str, Any] | None, series: Sequence[Series]) -> l
     return rows
 
 
-# --------------------------------------------------------------------------- the reduced run (bench/ablation.py)
+# --------------------------------------------------------------------------- the reduced run (scripts/ablation.py)
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,7 @@ KINDS: dict[str, AblationKind] = {
 
 @dataclass(frozen=True)
 class ReducedAblation:
-    """Settings of one reduced ablation run (the flags of ``bench/ablation.py``)."""
+    """Settings of one reduced ablation run (the flags of ``scripts/ablation.py``)."""
 
     kind: str  # a key of KINDS
     budget_s: float = 150  # training wall-clock seconds per drafter
@@ -112,8 +112,8 @@ class ReducedAblation:
 
     @property
     def command(self) -> str:
-        """The bench/ablation.py command that reruns this ablation."""
-        rerun = (f"python bench/ablation.py {self.kind} --budget-s {self.budget_s:g} --limit {self.limit} "
+        """The scripts/ablation.py command that reruns this ablation."""
+        rerun = (f"python scripts/ablation.py {self.kind} --budget-s {self.budget_s:g} --limit {self.limit} "
                  f"--dtype {self.dtype}")
         return rerun + (f" --layers {self.layers}" if self.kind == "block" else "")
 

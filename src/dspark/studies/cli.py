@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from dspark.drafters.options import add_drafter_options, add_target_options
+from dspark.cli_options import add_drafter_options, add_target_options
 from dspark.studies import reproduce
 from dspark.studies.demo import run_demo
 from dspark.target.presets import DEFAULT_TARGET

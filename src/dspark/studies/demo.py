@@ -20,7 +20,8 @@ import time
 from pathlib import Path
 
 from dspark.target.presets import dspark_home
-from dspark.drafters.options import DraftingOptions, load_target_from_args, resolve_device
+from dspark.cli_options import drafting_options, load_target_from_args
+from dspark.target.loading import resolve_device
 from dspark.tables import fmt, markdown_table
 
 DEMO_SETS = ("gsm8k", "humaneval", "mt-bench")
@@ -132,7 +133,7 @@ def run_demo(args: argparse.Namespace) -> int:
     if ckpt is None:
         ckpt = _train_demo_drafter(args, target, work)
     print(f"[demo] DSpark drafter: {ckpt}")
-    dspark = load_drafter(str(ckpt), target, DraftingOptions.from_args(
+    dspark = load_drafter(str(ckpt), target, drafting_options(
         args, hybrid=False, draft_vocab=_draft_vocab(args, ckpt, target, work)))
     drafters = {
         "plain (no drafter)": NoDrafter(target.vocab_size),

@@ -1,4 +1,4 @@
-"""The budget table of a study's training runs (docs/training-runs.md), from what `dspark train` leaves behind.
+"""The budget table of a study's training runs (docs/reports/training-runs.md), from what `dspark train` leaves behind.
 
 Reads each run's ``train_summary.json`` and ``step_latest/train_config.json`` and reports the budget (wall-clock
 cap, steps, sequences, tokens), the measured training throughput and the parameter counts of the checkpoint.

@@ -223,7 +223,7 @@ def load_target(name_or_path: str, dtype: torch.dtype = torch.float32, tokenizer
                 pack: bool = True) -> TargetModel:
     """Load a preset (e.g. ``smollm2-135m``) or a local HF causal-LM folder onto ``device``.
 
-    ``device`` is a torch device (``dspark.drafters.options.resolve_device`` turns ``--device`` into one); the
+    ``device`` is a torch device (``dspark.target.loading.resolve_device`` turns ``--device`` into one); the
     KV caches (``new_cache``) and the drafters loaded for this target follow it.
 
     ``fuse``: the decoding layout: q/k/v and gate/up as one matmul each and, on the CPU, every weight prepacked

@@ -22,7 +22,8 @@ drafter config (DSparkConfig / Eagle3Config / DraftLMConfig). Unknown keys are e
 
 
 def add_cli(sub: argparse._SubParsersAction) -> None:
-    from dspark.drafters.options import DTYPE_NAMES, add_device_option
+    from dspark.cli_options import add_device_option
+    from dspark.target.loading import DTYPE_NAMES
     from dspark.drafters.registry import KIND_NAMES
     from dspark.presets import preset_names
 

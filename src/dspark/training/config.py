@@ -21,7 +21,7 @@ import typing
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from dspark.drafters.options import DTYPE_NAMES
+from dspark.target.loading import DTYPE_NAMES
 from dspark.drafters.registry import KIND_NAMES, kind_entry
 from dspark import presets
 from dspark.errors import DSparkError

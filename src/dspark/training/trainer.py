@@ -42,7 +42,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from dspark.drafters.options import torch_dtype
+from dspark.target.loading import torch_dtype
 from dspark.drafters.registry import kind_entry, model_kind_entry
 from dspark.drafters.sample import TrainSample
 from dspark.errors import DSparkError

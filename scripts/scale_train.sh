@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# The drafter-at-scale runs (docs/training-scale.md) on the slices of scripts/scale_data.sh, and the scaling curve:
+# DSpark (Markov head) and DFlash trained on the first N sequences of the labelled set for 3 passes each (equal
+# steps per token), N = 330, 1000, 3500 and all 13,875 (about 0.1 M, 0.3 M, 1.1 M and 4.2 M tokens; 0.06 M,
+# 0.2 M, 0.7 M and 2.7 M supervised), Qwen3-shaped draft layers (q/k RMSNorm: the layout SGLang and vLLM load),
+# bf16 with fp32 master weights, an 8,192-token draft vocabulary. The largest DSpark is the reference drafter and
+# the largest DFlash its twin; Eagle3 trains on the same data and steps (3 of the cached layers: it exports to vLLM).
+# The two drafters of a point train side by side, one thread each; PROCS=2 trains them one after the other, each
+# on both cores (torchrun, two DDP processes of one thread, the same global batch of 4 sequences).
+#
+# A run is longer than a sitting: every training stops after SESSION_S seconds with a checkpoint (session_time_s:
+# the LR schedule stays the step count's) and the same command resumes it; finished runs are skipped.
+#   bash scripts/scale_train.sh 330 1000        # points to train now (default: all four, then eagle3)
+#   SESSION_S=3000 bash scripts/scale_train.sh all eagle3
+#   PROCS=2 bash scripts/scale_train.sh all      # each drafter on both cores in turn
+set -euo pipefail
+DSPARK=${DSPARK:-.venv/bin/dspark}
+R=${R:-runs/scale}
+SESSION_S=${SESSION_S:-100000}
+EPOCHS=${EPOCHS:-3}
+PROCS=${PROCS:-1}
+TORCHRUN=${TORCHRUN:-.venv/bin/torchrun}
+points=("$@")
+[ ${#points[@]} -gt 0 ] || points=(330 1000 3500 all eagle3)
+
+caches_for() {  # the slices that hold the first N sequences
+  case "$1" in
+    330|1000) echo "[\"$R/features-A\"]" ;;
+    3500) echo "[\"$R/features-A\", \"$R/features-B\"]" ;;
+    *) echo "[\"$R/features-A\", \"$R/features-B\", \"$R/features-C\"]" ;;
+  esac
+}
+
+train() {  # name preset caches max_samples extra...
+  local name=$1 preset=$2 caches=$3 n=$4; shift 4
+  local out="$R/train/$name"
+  if [ -f "$out/train_summary.json" ] && grep -q '"stopped_by": "max_steps"' "$out/train_summary.json"; then
+    return 0  # finished
+  fi
+  local limit=()
+  [ "$n" = all ] || limit=(--set "max_samples=$n")
+  local launch=($DSPARK --threads 1)
+  # DDP: the global batch stays 4 sequences (grad_accum = 4 / PROCS)
+  if [ "$PROCS" -gt 1 ]; then
+    launch=($TORCHRUN --nproc_per_node "$PROCS" -m dspark.cli --threads 1)
+    set -- "$@" --set grad_accum=null --set global_batch_size=4
+  fi
+  "${launch[@]}" train --config "$preset" --out "$out" --resume \
+    --set "data=$R/tok-label-1k" --set "cache_dir=$caches" --set feature_source=cache --set max_length=1024 --set dtype=bfloat16 \
+    --set draft_vocab_size=8192 --set epochs="$EPOCHS" --set checkpoint_every=100 --set keep_checkpoints=2 \
+    --set session_time_s="$SESSION_S" "${limit[@]}" "$@" > "$out.log" 2>&1
+}
+
+mkdir -p "$R/train"
+for p in "${points[@]}"; do
+  if [ "$p" = eagle3 ]; then
+    train eagle3-all smollm2-eagle3 "$(caches_for all)" all --set "model.target_layer_ids=[1,14,27]" \
+      --set draft_vocab_size=null
+    continue
+  fi
+  caches=$(caches_for "$p")
+  if [ "$PROCS" -gt 1 ]; then
+    train "dspark-$p" smollm2-dspark-markov "$caches" "$p" --set model.draft_layer=qwen3
+    train "dflash-$p" smollm2-dflash "$caches" "$p" --set model.draft_layer=qwen3
+  else
+    train "dspark-$p" smollm2-dspark-markov "$caches" "$p" --set model.draft_layer=qwen3 &
+    train "dflash-$p" smollm2-dflash "$caches" "$p" --set model.draft_layer=qwen3 &
+    wait
+  fi
+done

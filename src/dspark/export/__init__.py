@@ -1,0 +1,1 @@
+"""Exports: a drafter checkpoint rewritten for a serving engine (``engines``) or cut to a draft vocabulary (``vocab``)."""
