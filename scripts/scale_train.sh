@@ -13,6 +13,7 @@
 #   bash scripts/scale_train.sh 330 1000        # points to train now (default: all four, then eagle3)
 #   SESSION_S=3000 bash scripts/scale_train.sh all eagle3
 #   PROCS=2 bash scripts/scale_train.sh all      # each drafter on both cores in turn
+#   bash scripts/scale_train.sh depth2-3500      # the depth ablation: DSpark with 2 draft layers (dspark2-3500)
 set -euo pipefail
 DSPARK=${DSPARK:-.venv/bin/dspark}
 R=${R:-runs/scale}
@@ -56,6 +57,12 @@ for p in "${points[@]}"; do
   if [ "$p" = eagle3 ]; then
     train eagle3-all smollm2-eagle3 "$(caches_for all)" all --set "model.target_layer_ids=[1,14,27]" \
       --set draft_vocab_size=null
+    continue
+  fi
+  if [[ "$p" == depth2-* ]]; then  # the depth ablation: DSpark with 2 draft layers at point N
+    n=${p#depth2-}
+    train "dspark2-$n" smollm2-dspark-markov "$(caches_for "$n")" "$n" --set model.draft_layer=qwen3 \
+      --set model.num_draft_layers=2
     continue
   fi
   caches=$(caches_for "$p")
