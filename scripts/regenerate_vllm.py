@@ -1,22 +1,25 @@
 """`dspark data regenerate --base-url` against vLLM's OpenAI server on this machine, next to the in-process path.
 
-    VLLM_VENV=/work/vllm-venv python scripts/regenerate_vllm.py --threads 1 --num 32 --max-new-tokens 128
+    VLLM_VENV=/work/vllm-venv python scripts/regenerate_vllm.py --threads 1 --num 32 --multi-turn 8 --max-new-tokens 128
 
-1. builds --num training prompts from the offline sources (`dspark data prompts`, seed 0);
+1. builds --num training prompts from the offline sources (`dspark data prompts`, seed 0), plus --multi-turn
+   two-turn conversations made of further ones (every other one with a system message);
 2. regenerates them in process, greedy (the continuous-batching engine, --batch-size, the target as
    `dspark data regenerate` loads it: float32 on a CPU), timing the regeneration only;
-3. starts vLLM's OpenAI server from $VLLM_VENV (`python -m vllm.entrypoints.openai.api_server --model DIR
-   --dtype float32 --enforce-eager`, 127.0.0.1), sends one warm-up chat request, then regenerates the same
-   prompts through it with `regenerate_over_http` (what `dspark data regenerate --base-url` runs, --concurrency
-   conversations in flight), timing the regeneration only, and stops the server;
-4. counts the records equal between the two; for each record that differs it finds the first differing token
-   of the first differing turn and the in-process target's top-two logit gap there (a near tie that float32
-   kernels of two engines may break either way), so every difference is explained or shown not to be one;
-5. writes the table between the markers in --doc (docs/data-throughput.md) and the details to --work.
+3. for each of --vllm-dtypes, starts vLLM's OpenAI server from $VLLM_VENV (`python -m
+   vllm.entrypoints.openai.api_server --model DIR --dtype DTYPE --enforce-eager`, 127.0.0.1), sends one warm-up
+   chat request, regenerates the same prompts through it with `regenerate_over_http` (what `dspark data
+   regenerate --base-url` runs, --concurrency conversations in flight), timing the regeneration only, and stops
+   the server;
+4. counts the records equal to the in-process ones; for each record that differs it finds the first differing
+   token of the first differing message and the in-process target's logit gap there between the two engines'
+   choices (a near tie that rounding breaks either way), so every difference is explained or shown not to be one;
+5. writes the table between the markers in --doc (docs/data-throughput.md) and the per-record results to --details
+   (docs/interop/regenerate-vllm.json).
 
 Without VLLM_VENV, --vllm-python (default .venv-vllm/bin/python, as `make interop` makes it) must have vLLM's CPU
 build 0.32.0; a missing or other vLLM stops the script with one line saying what to install (exit 2).
---reuse-in-process keeps step 2's records from an earlier run in --work (its timing included).
+--reuse keeps the prompts and every finished run (records and timings) of an earlier run in --work.
 """
 
 from __future__ import annotations
@@ -141,9 +144,10 @@ def records(path: Path) -> dict[str, dict]:
     return {str(r["id"]): r for r in map(json.loads, path.read_text().splitlines()) if r}
 
 
-def first_difference(target, a: dict, b: dict) -> dict:
-    """Where two records' conversations part: turn, token index (re-tokenized replies) and the in-process
-    target's logits there (the top two, and the two tokens chosen)."""
+def first_difference(target, a: dict, b: dict, same_dtype=None) -> dict:
+    """Where two records' conversations part: message, token index (re-tokenized replies) and the in-process
+    float32 target's logits there (the top two, the gap between the two tokens chosen); with ``same_dtype`` (our
+    target in the other engine's dtype) also the token that one picks there."""
     import torch
 
     from dspark.data.regenerate_engine import encode_conversation
@@ -160,58 +164,97 @@ def first_difference(target, a: dict, b: dict) -> dict:
     k = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), min(len(ta), len(tb)))
     prompt = encode_conversation(target, ca[:turn])
     ids = torch.tensor(prompt + ta[:k], dtype=torch.long)
-    with torch.no_grad():
-        logits = target.forward(ids, [len(ids)], None, logits_for="last").logits[0].float()
+
+    def last_logits(model) -> torch.Tensor:  # (V,)
+        with torch.no_grad():
+            return model.forward(ids, [len(ids)], None, logits_for="last").logits[0].float()
+
+    logits = last_logits(target)
     top = torch.topk(logits, 2)
     pick = lambda t: t[k] if k < len(t) else None  # noqa: E731 (None: that reply ended there)
     in_proc, served = pick(ta), pick(tb)
-    return {
+    out = {
         "turn": turn, "token": k, "in_process_token": in_proc, "vllm_token": served,
         "top2": [int(i) for i in top.indices], "top2_gap": round(float(top.values[0] - top.values[1]), 4),
         "logit_gap_between_choices": (round(float(logits[in_proc] - logits[served]), 4)
                                       if in_proc is not None and served is not None else None),
     }
+    if same_dtype is not None:
+        other = last_logits(same_dtype)
+        out["same_dtype_in_process_token"] = int(other.argmax())
+        if out["logit_gap_between_choices"] is not None:
+            out["same_dtype_gap_between_choices"] = round(float(other[in_proc] - other[served]), 4)
+    return out
 
 
-def write_doc(doc: Path, result: dict, command: str) -> None:
-    ip, vl = result["in_process"], result["vllm"]
-    n, equal = result["records"], result["equal"]
+def _median(values: list[float]) -> float:
+    values = sorted(values)
+    return values[len(values) // 2] if values else float("nan")
+
+
+def _why(run: dict, details: str) -> str:
+    """What the differing records of one vLLM run have in common, from ``first_difference``."""
+    diffs = run["differences"]
+    if not diffs:
+        return f"vLLM in {run['dtype']}: every record equal to the in-process one."
+    gaps = sorted(abs(d["logit_gap_between_choices"]) for d in diffs if d.get("logit_gap_between_choices") is not None)
+    if not gaps:
+        return f"vLLM in {run['dtype']}: {len(diffs)} records differ; per record: {details}."
+    second = sum(1 for d in diffs if d.get("vllm_token") is not None and d["vllm_token"] == d["top2"][1])
+    ours = [d for d in diffs if "same_dtype_in_process_token" in d]
+    shifts = [abs(d["same_dtype_gap_between_choices"] - d["logit_gap_between_choices"]) for d in ours
+              if "same_dtype_gap_between_choices" in d]
+    same = (f" Our own target loaded in {run['dtype']} (`--dtype {run['dtype']}`), run on the same prefix, picks "
+            f"vLLM's token at {sum(d['same_dtype_in_process_token'] == d['vllm_token'] for d in ours)} of these "
+            f"{len(ours)} positions and the float32 one's at "
+            f"{sum(d['same_dtype_in_process_token'] == d['in_process_token'] for d in ours)}; its gap between the two "
+            f"choices is off the float32 gap by {_median(shifts):.3f} (median; up to {max(shifts, default=0):.3f})."
+            if ours else "")
+    large = [g for g in gaps if g >= 0.2]
+    if large and run["dtype"] != "float32":
+        same += (f" The {len(large)} gaps of 0.2 or more ({', '.join(f'{g:.3f}' for g in large)}) are larger than "
+                 "that rounding explains at one token; they are not explained here.")
+    cause = ("two float32 implementations with different kernels (vLLM's CPU attention and GEMMs against ours) "
+             "round such near ties either way" if run["dtype"] == "float32" else
+             f"vLLM computes in {run['dtype']}, whose rounding (8 significant bits) moves such gaps by as much")
+    return (f"vLLM in {run['dtype']}: the {len(diffs)} records that differ part where the float32 target's two best "
+            "tokens are close. At the first differing token (re-tokenized replies), the in-process float32 "
+            f"target's logits for the two engines' choices are {gaps[0]:.3f} to {gaps[-1]:.3f} apart (median "
+            f"{_median(gaps):.3f}; {sum(g < 0.2 for g in gaps)} of {len(gaps)} under 0.2), and vLLM's choice "
+            f"is the float32 target's second-best token in {second} of {len(diffs)}; {cause}. Everything after that "
+            f"token follows from it.{same} Per record: {details}.")
+
+
+def write_doc(doc: Path, result: dict, command: str, details: str) -> None:
+    ip, n = result["in_process"], result["records"]
     rows = [
         "| path | records | answer tokens | seconds | answer tokens/s | vs in process | records equal to in process |",
         "|---|---:|---:|---:|---:|---:|---:|",
         f"| in process (engine, batch {ip['batch']}, float32) | {ip['succeeded']} | {ip['new_tokens']} | "
         f"{ip['seconds']:.1f} | {ip['rate']:.1f} | 1.00x | {n}/{n} |",
-        f"| vLLM {vl['version']} OpenAI server (`--base-url`, concurrency {vl['concurrency']}, {vl['dtype']}) | "
-        f"{vl['succeeded']} | {vl['new_tokens']} | {vl['seconds']:.1f} | {vl['rate']:.1f} | "
-        f"{vl['rate'] / ip['rate']:.2f}x | {equal}/{n} |",
     ]
-    diffs = result["differences"]
-    if diffs:
-        gaps = [d["top2_gap"] for d in diffs if d.get("top2_gap") is not None]
-        tie = sum(1 for d in diffs if d.get("logit_gap_between_choices") is not None
-                  and abs(d["logit_gap_between_choices"]) <= 0.05)
-        why = (f"The {len(diffs)} records that differ part at a near tie: at the first differing token the in-process "
-               f"float32 target's two top logits are {min(gaps):.4f} to {max(gaps):.4f} apart "
-               f"({tie} of {len(diffs)} within 0.05 between the two engines' choices), where two float32 "
-               "implementations with different kernels (vLLM's CPU attention and GEMMs against ours) can round "
-               "either way; everything after that token follows from it. Per record: "
-               + ", ".join(f"`{d['id']}` message {d['turn']} token {d['token']} (gap {d['logit_gap_between_choices']})"
-                           for d in diffs) + ".")
-    else:
-        why = "Every record is equal: the two paths write the same data."
+    for vl in result["vllm"]:
+        rows.append(f"| vLLM {vl['version']} OpenAI server (`--base-url`, concurrency {vl['concurrency']}, "
+                    f"{vl['dtype']}) | {vl['succeeded']} | {vl['new_tokens']} | {vl['seconds']:.1f} | "
+                    f"{vl['rate']:.1f} | {vl['rate'] / ip['rate']:.2f}x | {vl['equal']}/{n} |")
+    loads = ", ".join(f"{step['name']} {step['load_before']} to {step['load_after']}"
+                      for step in [ip, *result["vllm"]])
+    starts = ", ".join(f"{vl['ready_s']:.0f} s in {vl['dtype']}" for vl in result["vllm"])
+    counted = ", ".join(f"{vl['vllm_generation_tokens']:.0f} in {vl['dtype']}" for vl in result["vllm"])
+    reused = (" (`--reuse`: the records and timings of the run before with the same arguments; this one redid the "
+              "comparison)" if "--reuse" in command.split() else "")
     block = "\n".join([
         START, "", f"    {command}", "",
         f"{n} records: {result['single']} prompts from `dspark data prompts` (seed 0) and {result['two_turn']} "
         f"two-turn conversations made of {2 * result['two_turn']} further ones (half with a system message; domains "
         f"of all {result['single'] + 2 * result['two_turn']}: {result['domains']}), target {result['target']}, "
         f"greedy (`--temperature 0`), `--max-new-tokens {result['max_new_tokens']}`, measured one after the "
-        f"other on the shared 2-core machine (load average {result['load_before']} before, {result['load_after']} "
-        f"after). The in-process side runs with {result['threads']} thread; vLLM's CPU build binds its "
-        f"worker to one core and reserves the other. Seconds are the regeneration alone: not loading the target, "
-        f"not the server's start ({vl['ready_s']:.0f} s to answer /health with `--enforce-eager`) nor one warm-up "
-        f"request. vLLM's own counter (`vllm:generation_tokens_total`) read {vl['vllm_generation_tokens']:.0f} "
-        f"tokens for the run, the warm-up's included.", "",
-        *rows, "", why, "", END])
+        f"other on the shared 2-core machine (load average before and after each: {loads}). The in-process side "
+        f"runs with {result['threads']} thread; vLLM's CPU build binds its worker to one core and reserves the "
+        "other. Seconds are the regeneration alone: not loading the target, not the server's start (to answer "
+        f"/health with `--enforce-eager`: {starts}) nor one warm-up request. vLLM's own counter "
+        f"(`vllm:generation_tokens_total`, the warm-up's 8 included) read {counted}{reused}.", "",
+        *rows, "", *[line for vl in result["vllm"] for line in (_why(vl, details), "")], END])
     text = doc.read_text()
     if START in text:
         text = text[: text.index(START)] + block + text[text.index(END) + len(END):]
@@ -231,12 +274,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=32, help="in-process engine batch (default: %(default)s)")
     p.add_argument("--concurrency", type=int, default=32, help="conversations in flight to vLLM (default: %(default)s)")
-    p.add_argument("--vllm-dtype", default="float32", help="vLLM's --dtype (default: %(default)s, as in process)")
+    p.add_argument("--vllm-dtypes", default="float32,bfloat16",
+                   help="one server run per vLLM --dtype; float32 is the in-process dtype, bfloat16 what vLLM's CPU "
+                   "build picks for SmolLM2 without --dtype (default: %(default)s)")
     p.add_argument("--port", type=int, default=8777)
     p.add_argument("--wait-s", type=float, default=600, help="longest wait for the server to start")
     p.add_argument("--work", type=Path, default=Path("runs/regenerate-vllm"))
     p.add_argument("--doc", type=Path, default=ROOT / "docs" / "data-throughput.md")
-    p.add_argument("--reuse-in-process", action="store_true", help="keep the in-process records of --work")
+    p.add_argument("--details", type=Path, default=ROOT / "docs" / "interop" / "regenerate-vllm.json",
+                   help="where the per-record results go (default: %(default)s)")
+    p.add_argument("--reuse", action="store_true",
+                   help="keep the prompts and the finished runs (records and timings) of an earlier run in --work")
     args = p.parse_args(argv)
     venv = f"VLLM_VENV={os.environ['VLLM_VENV']} " if os.environ.get("VLLM_VENV") else ""
     command = f"{venv}python scripts/regenerate_vllm.py " + " ".join(
@@ -257,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     target_dir = str(resolve_model_path(args.target))
     prompts = work / "prompts.jsonl"
-    if not (args.reuse_in_process and prompts.exists()):
+    if not (args.reuse and prompts.exists()):
         prompts.unlink(missing_ok=True)
         summary = build_prompt_set(prompts, args.num + 2 * args.multi_turn, seed=0, sources=default_sources(),
                                    progress=False)
@@ -265,49 +313,67 @@ def main(argv: list[str] | None = None) -> int:
         add_multi_turn(prompts, args.num, args.multi_turn)
     domains = json.loads((work / "domains.json").read_text())
     greedy = dict(max_new_tokens=args.max_new_tokens, temperature=0.0, seed=0, progress=False)
-    load_before = round(os.getloadavg()[0], 1)
 
     target = load_decoding_target(args.target, "cpu", "float32")
     ip_out, ip_stats = work / "in-process.jsonl", work / "in-process.json"
-    if not (args.reuse_in_process and ip_stats.exists()):
+    if not (args.reuse and ip_stats.exists()):
         ip_out.unlink(missing_ok=True)
+        load = os.getloadavg()[0]
         t0 = time.perf_counter()
         stats = regenerate(target, prompts, ip_out, batch_size=args.batch_size, **greedy)
         seconds = time.perf_counter() - t0
-        ip_stats.write_text(json.dumps({"batch": args.batch_size, "succeeded": stats.succeeded,
+        ip_stats.write_text(json.dumps({"name": "in process", "batch": args.batch_size, "succeeded": stats.succeeded,
                                         "new_tokens": stats.new_tokens, "seconds": seconds,
-                                        "rate": stats.new_tokens / seconds}))
+                                        "rate": stats.new_tokens / seconds, "load_before": round(load, 1),
+                                        "load_after": round(os.getloadavg()[0], 1)}))
     ip = json.loads(ip_stats.read_text())
     print(f"in process: {ip}", flush=True)
+    a = records(ip_out)
 
-    vl_out = work / "vllm.jsonl"
-    vl_out.unlink(missing_ok=True)
-    with VllmServer(args.vllm_python, target_dir, args.port, args.vllm_dtype, work / "vllm-server.log",
-                    args.wait_s) as server:
-        _http(server.base + "/v1/chat/completions", {"model": target_dir, "max_tokens": 8, "temperature": 0,
-                                                     "messages": [{"role": "user", "content": "Hello!"}]}, 300)
-        t0 = time.perf_counter()
-        stats = regenerate_over_http(server.base + "/v1", prompts, vl_out, concurrency=args.concurrency, **greedy)
-        seconds = time.perf_counter() - t0
-        counters = server.metrics()
-    vl = {"version": version, "dtype": args.vllm_dtype, "concurrency": args.concurrency,
-          "succeeded": stats.succeeded, "failed": stats.failed, "new_tokens": stats.new_tokens, "seconds": seconds,
-          "rate": stats.new_tokens / seconds, "ready_s": server.ready_s,
-          "vllm_generation_tokens": counters.get("vllm:generation_tokens_total", float("nan"))}
-    print(f"vLLM: {vl}", flush=True)
-
-    a, b = records(ip_out), records(vl_out)
-    equal = sum(a[k] == b.get(k) for k in a)
-    differences = [{"id": k, **first_difference(target, a[k], b[k])} for k in a if k in b and a[k] != b[k]]
-    result = {"target": args.target, "records": len(a), "equal": equal, "single": args.num,
-              "two_turn": args.multi_turn, "domains": domains, "threads": args.threads,
-              "max_new_tokens": args.max_new_tokens, "load_before": load_before,
-              "load_after": round(os.getloadavg()[0], 1), "in_process": ip, "vllm": vl, "differences": differences,
-              "missing_over_http": sorted(set(a) - set(b))}
-    (work / "result.json").write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({k: result[k] for k in ("records", "equal", "differences", "missing_over_http")}, indent=1))
-    write_doc(args.doc, result, command)
-    print(f"wrote {args.doc} and {work / 'result.json'}")
+    runs = []
+    for dtype in args.vllm_dtypes.split(","):
+        vl_out, vl_stats = work / f"vllm-{dtype}.jsonl", work / f"vllm-{dtype}.json"
+        if not (args.reuse and vl_stats.exists()):
+            vl_out.unlink(missing_ok=True)
+            load = os.getloadavg()[0]
+            with VllmServer(args.vllm_python, target_dir, args.port, dtype, work / f"vllm-server-{dtype}.log",
+                            args.wait_s) as server:
+                _http(server.base + "/v1/chat/completions", {"model": target_dir, "max_tokens": 8, "temperature": 0,
+                                                             "messages": [{"role": "user", "content": "Hello!"}]}, 300)
+                t0 = time.perf_counter()
+                stats = regenerate_over_http(server.base + "/v1", prompts, vl_out, concurrency=args.concurrency,
+                                             **greedy)
+                seconds = time.perf_counter() - t0
+                counters = server.metrics()
+            vl_stats.write_text(json.dumps({
+                "name": f"vLLM {dtype}", "version": version, "dtype": dtype, "concurrency": args.concurrency,
+                "succeeded": stats.succeeded, "failed": stats.failed, "new_tokens": stats.new_tokens,
+                "seconds": seconds, "rate": stats.new_tokens / seconds, "ready_s": server.ready_s,
+                "vllm_generation_tokens": counters.get("vllm:generation_tokens_total", float("nan")),
+                "load_before": round(load, 1), "load_after": round(os.getloadavg()[0], 1)}))
+        vl = json.loads(vl_stats.read_text())
+        b = records(vl_out)
+        vl["equal"] = sum(a[k] == b.get(k) for k in a)
+        differ = [k for k in a if k in b and a[k] != b[k]]
+        same_dtype = None
+        if differ and dtype != "float32":
+            same_dtype = load_decoding_target(args.target, "cpu", dtype)
+        vl["differences"] = [{"id": k, **first_difference(target, a[k], b[k], same_dtype)} for k in differ]
+        vl["missing_over_http"] = sorted(set(a) - set(b))
+        print(f"vLLM {dtype}: {vl}", flush=True)
+        runs.append(vl)
+    result = {"target": args.target, "records": len(a), "single": args.num, "two_turn": args.multi_turn,
+              "domains": domains, "threads": args.threads, "max_new_tokens": args.max_new_tokens,
+              "in_process": ip, "vllm": runs}
+    args.details.parent.mkdir(parents=True, exist_ok=True)
+    args.details.write_text(json.dumps({"command": command, **result}, indent=2) + "\n")
+    try:  # a link from the page
+        shown = str(args.details.resolve().relative_to(args.doc.resolve().parent))
+        shown = f"[{shown}]({shown})"
+    except ValueError:
+        shown = str(args.details)
+    write_doc(args.doc, result, command, shown)
+    print(f"wrote {args.doc} and {args.details}")
     return 0
 
 
