@@ -93,7 +93,8 @@ class VllmServer:
                 if self.proc.poll() is not None:
                     raise SystemExit(f"vLLM's server exited with {self.proc.returncode}; see {self.log_path}")
                 if time.monotonic() - t0 > self.wait_s:
-                    raise SystemExit(f"vLLM's server did not answer /health in {self.wait_s:.0f} s; see {self.log_path}")
+                    raise SystemExit(f"vLLM's server did not answer /health in {self.wait_s:.0f} s; "
+                                     f"see {self.log_path}")
                 try:
                     _http(self.base + "/health")
                     break

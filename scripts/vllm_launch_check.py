@@ -35,7 +35,8 @@ from regenerate_vllm import ROOT, VllmServer, _http, check_vllm, default_vllm_py
 START, END = "<!-- vllm-launch:start -->", "<!-- vllm-launch:end -->"
 #: the check's additions to the printed command, and why (the docs table says it)
 EXTRA = ["--enforce-eager", "--dtype", "float32"]
-MESSAGE = "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did Natalia sell altogether in April and May?"
+MESSAGE = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+           "How many clips did Natalia sell altogether in April and May?")
 
 
 def printed_command(ckpt: str, out: Path, target_dir: str) -> str:
@@ -114,7 +115,8 @@ def write_doc(doc: Path, rows: list[dict], version: str, command: str, max_token
              "answer equal to in-process greedy | works |", "|---|---|---:|---:|---:|---:|---|---|"]
     for r in rows:
         if not r["started"]:
-            lines.append(f"| {r['drafter']} | `{r['command']}` | – | – | – | – | – | no: {r.get('error', '')} |")
+            lines.append(f"| {r['drafter']} | `{r['command']}` | – | – | – | – | – | "
+                         f"no: {r.get('error', '')} |")
             continue
         lines.append(f"| {r['drafter']} | `{r['command']}` | {r['ready_s']:.0f} | {r['answer_s']:.0f} | "
                      f"{r['num_drafts']:.0f} | {r['tau_vllm']} | {'yes' if r['answer_equal'] else 'no'} | "

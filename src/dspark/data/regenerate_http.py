@@ -23,7 +23,8 @@ from typing import Any
 
 import httpx
 
-from dspark.data.regenerate_io import CHAT_TEMPLATE_KWARGS, RecordWriter, RegenerateStats, Reply, plan, run_conversations
+from dspark.data.regenerate_io import (CHAT_TEMPLATE_KWARGS, RecordWriter, RegenerateStats, Reply, plan,
+                                       run_conversations)
 from dspark.errors import DSparkError, PromptError
 
 
