@@ -195,35 +195,46 @@ def _median(values: list[float]) -> float:
 
 def _why(run: dict, details: str) -> str:
     """What the differing records of one vLLM run have in common, from ``first_difference``."""
-    diffs = run["differences"]
+    diffs, dtype = run["differences"], run["dtype"]
     if not diffs:
-        return f"vLLM in {run['dtype']}: every record equal to the in-process one."
-    gaps = sorted(abs(d["logit_gap_between_choices"]) for d in diffs if d.get("logit_gap_between_choices") is not None)
-    if not gaps:
-        return f"vLLM in {run['dtype']}: {len(diffs)} records differ; per record: {details}."
-    second = sum(1 for d in diffs if d.get("vllm_token") is not None and d["vllm_token"] == d["top2"][1])
-    ours = [d for d in diffs if "same_dtype_in_process_token" in d]
-    shifts = [abs(d["same_dtype_gap_between_choices"] - d["logit_gap_between_choices"]) for d in ours
-              if "same_dtype_gap_between_choices" in d]
-    same = (f" Our own target loaded in {run['dtype']} (`--dtype {run['dtype']}`), run on the same prefix, picks "
-            f"vLLM's token at {sum(d['same_dtype_in_process_token'] == d['vllm_token'] for d in ours)} of these "
-            f"{len(ours)} positions and the float32 one's at "
-            f"{sum(d['same_dtype_in_process_token'] == d['in_process_token'] for d in ours)}; its gap between the two "
-            f"choices is off the float32 gap by {_median(shifts):.3f} (median; up to {max(shifts, default=0):.3f})."
-            if ours else "")
-    large = [g for g in gaps if g >= 0.2]
-    if large and run["dtype"] != "float32":
-        same += (f" The {len(large)} gaps of 0.2 or more ({', '.join(f'{g:.3f}' for g in large)}) are larger than "
-                 "that rounding explains at one token; they are not explained here.")
+        return f"vLLM in {dtype}: every record equal to the in-process one."
+    located = [d for d in diffs if d.get("logit_gap_between_choices") is not None]
+    # the re-tokenized in-process reply is the float32 argmax path where it parts, unless its text tokenizes
+    # differently from the ids the engine generated: then the place found is not where the engines parted
+    exact = [d for d in located if d["in_process_token"] == d["top2"][0]]
+    if not exact:
+        return f"vLLM in {dtype}: {len(diffs)} records differ; per record: {details}."
+    gaps = sorted(abs(d["logit_gap_between_choices"]) for d in exact)
+    second = sum(d["vllm_token"] == d["top2"][1] for d in exact)
     cause = ("two float32 implementations with different kernels (vLLM's CPU attention and GEMMs against ours) "
-             "round such near ties either way" if run["dtype"] == "float32" else
-             f"vLLM computes in {run['dtype']}, whose rounding (8 significant bits) moves such gaps by as much")
-    return (f"vLLM in {run['dtype']}: the {len(diffs)} records that differ part where the float32 target's two best "
-            "tokens are close. At the first differing token (re-tokenized replies), the in-process float32 "
-            f"target's logits for the two engines' choices are {gaps[0]:.3f} to {gaps[-1]:.3f} apart (median "
-            f"{_median(gaps):.3f}; {sum(g < 0.2 for g in gaps)} of {len(gaps)} under 0.2), and vLLM's choice "
-            f"is the float32 target's second-best token in {second} of {len(diffs)}; {cause}. Everything after that "
-            f"token follows from it.{same} Per record: {details}.")
+             "round such near ties either way" if dtype == "float32" else
+             f"vLLM computes in {dtype}, whose rounding (8 significant bits) moves such gaps by as much")
+    text = (f"vLLM in {dtype}: the {len(diffs)} records that differ part where the float32 target's two best tokens "
+            f"are close. At the first differing token of the re-tokenized replies ({len(exact)} records; "
+            f"{len(diffs) - len(exact)} more below), the in-process float32 target's logits for the two engines' "
+            f"choices are {gaps[0]:.3f} to {gaps[-1]:.3f} apart (median {_median(gaps):.3f}; "
+            f"{sum(g < 0.2 for g in gaps)} under 0.2), and vLLM's choice is the float32 target's second-best token "
+            f"in {second} of them; {cause}. Everything after that token follows from it.")
+    ours = [d for d in exact if "same_dtype_gap_between_choices" in d]
+    if ours:
+        shifts = [abs(d["same_dtype_gap_between_choices"] - d["logit_gap_between_choices"]) for d in ours]
+        text += (f" Our own target loaded in {dtype} (`--dtype {dtype}`), run on the same prefix, picks vLLM's token "
+                 f"at {sum(d['same_dtype_in_process_token'] == d['vllm_token'] for d in ours)} of these "
+                 f"{len(ours)} positions and the float32 one's at "
+                 f"{sum(d['same_dtype_in_process_token'] == d['in_process_token'] for d in ours)}; its gap between "
+                 f"the two choices is off the float32 gap by {_median(shifts):.3f} (median; up to {max(shifts):.3f}).")
+        large = [d for d in ours if abs(d["logit_gap_between_choices"]) >= 0.2]
+        if large:
+            pairs = "; ".join(f"{abs(d['logit_gap_between_choices']):.3f}, ours in {dtype} "
+                              f"{abs(d['same_dtype_gap_between_choices']):.3f}" for d in large)
+            text += (f" {len(large)} gaps are 0.2 or more ({pairs}): there vLLM's {dtype} rounding moved the gap "
+                     "further than ours does.")
+    retok = [d for d in diffs if d not in exact]
+    if retok:
+        text += (f" In {len(retok)} record(s) the re-tokenized float32 reply is not the float32 argmax at the token "
+                 "found (its text tokenizes differently from the generated ids), so the place shown is not where the "
+                 "engines parted; " + ", ".join(f"`{d['id']}`" for d in retok) + ".")
+    return text + f" Per record: {details}."
 
 
 def write_doc(doc: Path, result: dict, command: str, details: str) -> None:
