@@ -13,7 +13,7 @@ import socket
 import httpx
 import pytest
 
-from dspark.data.regenerate import error_path, regenerate
+from dspark.data.regenerate import encode_conversation, error_path, regenerate
 from dspark.data.regenerate_http import RetryPolicy, ServerError, api_base, regenerate_over_http
 from dspark.errors import DSparkError
 from dspark.serving.engine import Engine, EngineConfig
@@ -106,6 +106,44 @@ def test_an_unreachable_server_fails_cleanly_and_keeps_the_records(tmp_path, ser
     again = regenerate_over_http(server.url, src, out, api_key=KEY, max_new_tokens=6, progress=False, retry=FAST)
     assert (again.skipped, again.succeeded) == (1, 3)
     assert [str(r["id"]) for r in read_jsonl(out)] == ["a", "b", "2", "d"]
+
+
+#: appended to SmolLM2's template: a generation prompt that reads enable_thinking, as Qwen3's does
+THINKING = ("{% if add_generation_prompt and enable_thinking is defined and enable_thinking is false %}"
+            "<think>\n\n</think>\n\n{% endif %}")
+
+
+def test_both_paths_render_every_turn_with_enable_thinking_false(tmp_path):
+    """DeepSpec regenerates with enable_thinking false: in process (first turn included) and over HTTP
+    (``chat_template_kwargs``, rendered by the server) alike, so a Qwen3-style template gives equal records."""
+    tokenizer = smollm2_tokenizer()
+    tokenizer.chat_template += THINKING
+    thinking = tiny_target(vocab_size=49152, num_hidden_layers=2, max_position_embeddings=2048, eos_token_id=2)
+    thinking.tokenizer = tokenizer
+    first = [{"role": "user", "content": "What is two plus two?"}]
+    ids = encode_conversation(thinking, first)
+    assert tokenizer.decode(ids).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    # negative control: the template does read the variable (without it the prompt has no empty thinking block)
+    plain = tokenizer.apply_chat_template(first, add_generation_prompt=True, tokenize=True)
+    assert list(plain.get("input_ids", plain) if hasattr(plain, "get") else plain) != ids
+    src = write_jsonl(tmp_path / "p.jsonl", RECORDS)
+    here, there = tmp_path / "here.jsonl", tmp_path / "there.jsonl"
+    regenerate(thinking, src, here, batch_size=2, max_new_tokens=8, temperature=0.0, progress=False)
+    engine = Engine(thinking, config=EngineConfig(max_batch=2, max_queue=8))
+    with ServerThread(create_app(engine, tokenizer, ServerConfig(model_name=MODEL))) as srv:
+        regenerate_over_http(srv.url, src, there, concurrency=2, max_new_tokens=8, temperature=0.0, progress=False,
+                             retry=FAST)
+    assert there.read_text() == here.read_text()
+
+    bodies = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        bodies.append(json.loads(request.content))
+        return _chat_answer()
+
+    regenerate_over_http("http://127.0.0.1:1/v1", src, tmp_path / "m.jsonl", model=MODEL, limit=1, progress=False,
+                         retry=FAST, transport=httpx.MockTransport(handler))
+    assert bodies and bodies[0]["chat_template_kwargs"] == {"enable_thinking": False}
 
 
 def _chat_answer(text: str = "ok") -> httpx.Response:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 
-from dspark.data.regenerate_io import Reply
+from dspark.data.regenerate_io import CHAT_TEMPLATE_KWARGS, Reply
 from dspark.errors import DSparkError, PromptError
 from dspark.sampling.processing import SamplingParams
 from dspark.serving.engine import Engine, EngineConfig
@@ -20,13 +20,18 @@ from dspark.target.model import TargetModel
 
 
 def encode_conversation(target: TargetModel, messages: list[dict[str, str]]) -> list[int]:
-    """Prompt ids for the next assistant turn."""
-    if len(messages) == 1 and messages[0]["role"] == "user":
-        return target.encode_chat(messages[0]["content"])
+    """Prompt ids for the next assistant turn: the chat template with ``CHAT_TEMPLATE_KWARGS`` for every turn,
+    the first included (what a server renders for ``regenerate_http``'s request), else the plain text of a
+    lone user message."""
     tok = target.tokenizer
+    single = len(messages) == 1 and messages[0]["role"] == "user"
     if not getattr(tok, "chat_template", None):
+        if single:
+            return target.encode_chat(messages[0]["content"])
         raise PromptError("a multi-turn or system-prompt conversation needs a tokenizer with a chat template")
-    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, enable_thinking=False)
+    if single and not messages[0]["content"].strip():
+        raise PromptError("the prompt is empty")
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **CHAT_TEMPLATE_KWARGS)
     if isinstance(ids, dict) or hasattr(ids, "keys"):
         ids = ids["input_ids"]
     return list(ids)

@@ -1,8 +1,9 @@
 """Regeneration through any OpenAI-compatible server (vLLM, SGLang, `dspark serve`).
 
 Each turn is one ``POST {base_url}/chat/completions`` with the conversation so far, the turn's seed
-(fixed by (seed, line, turn), as in process) and the sampling settings (``top_k`` is an extension
-that vLLM, SGLang and `dspark serve` take). ``concurrency`` conversations are in flight; the server
+(fixed by (seed, line, turn), as in process), the sampling settings and ``chat_template_kwargs``
+(``{"enable_thinking": false}``, rendered in process too); ``top_k`` and ``chat_template_kwargs`` are
+extensions that vLLM, SGLang and `dspark serve` take. ``concurrency`` conversations are in flight; the server
 batches them. The records are the in-process path's (``regenerate_io``); with greedy decoding and
 `dspark serve` on the same target they are equal to them.
 
@@ -22,7 +23,8 @@ from typing import Any
 
 import httpx
 
-from dspark.data.regenerate_io import RecordWriter, RegenerateStats, Reply, plan, run_conversations
+from dspark.data.regenerate_io import (CHAT_TEMPLATE_KWARGS, RecordWriter, RegenerateStats, Reply, plan,
+                                       run_conversations)
 from dspark.errors import DSparkError, PromptError
 
 
@@ -116,7 +118,8 @@ class HttpTurns:
         return self.model
 
     async def __call__(self, messages: list[dict[str, str]], seed: int) -> Reply:
-        body = {"model": self.model, "messages": messages, "seed": seed, "n": 1, **self.sampling}
+        body = {"model": self.model, "messages": messages, "seed": seed, "n": 1, **self.sampling,
+                "chat_template_kwargs": dict(CHAT_TEMPLATE_KWARGS)}
         answer = await self.request("POST", "/chat/completions", body)
         try:
             choice = answer["choices"][0]

@@ -25,6 +25,11 @@ from dspark.errors import DSparkError, PromptError
 #: turn seeds are ``seed + SEED_LINE_STRIDE * line + turn``: fixed by (seed, line, turn), never by the batching
 SEED_LINE_STRIDE = 100_003
 
+#: template variables every path renders each turn with, as DeepSpec's data script sends them
+#: (docs/interop.md §Training data files): a template that reads ``enable_thinking`` (Qwen3) answers without a
+#: thinking block, on the first turn as on later ones; the others ignore it
+CHAT_TEMPLATE_KWARGS = {"enable_thinking": False}
+
 
 @dataclass
 class RegenerateStats:

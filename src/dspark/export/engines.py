@@ -281,8 +281,9 @@ def _add_side_files(plan: ExportPlan, ckpt: Path, sps_table: str | Path | None, 
 
 
 def launch_command(plan: ExportPlan, out: Path, target: str) -> str:
-    """The exact command that serves ``target`` with the exported drafter in ``out``."""
-    out, G = str(out), plan.block_size
+    """The exact command that serves ``target`` with the exported drafter in ``out`` (absolute: the command
+    works from any directory)."""
+    out, G = str(Path(out).resolve()), plan.block_size
     if plan.engine == "sglang":
         algo = "DSPARK" if plan.kind == "dspark" else "EAGLE3"
         env = "SGLANG_RAGGED_VERIFY_MODE=compact " if SPS_FILE in plan.side_files else ""
