@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import shlex
 
-from dspark.training.export_engines import export_for_engine
+from dspark.export.engines import export_for_engine
 from tests.drafters.tiny_drafters import tiny_dflash, tiny_dspark
 from tests.tiny import tiny_target
 
