@@ -123,6 +123,7 @@ def test_both_paths_render_every_turn_with_enable_thinking_false(tmp_path):
     first = [{"role": "user", "content": "What is two plus two?"}]
     ids = encode_conversation(thinking, first)
     assert tokenizer.decode(ids).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert thinking.encode_chat(first[0]["content"]) == ids  # the evaluation prompts render the same way
     # negative control: the template does read the variable (without it the prompt has no empty thinking block)
     plain = tokenizer.apply_chat_template(first, add_generation_prompt=True, tokenize=True)
     assert list(plain.get("input_ids", plain) if hasattr(plain, "get") else plain) != ids

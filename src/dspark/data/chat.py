@@ -22,17 +22,10 @@ from dataclasses import dataclass
 
 from dspark.drafters.losses import TARGET_LABEL
 from dspark.errors import DSparkError
+from dspark.target.model import chat_template_kwargs as _template_kwargs
 
 TEACHER_FORCED = "teacher_forced"  # a record's "label": its replies are existing text, labelled by the target
 MIN_LOSS_TOKENS = 14  # DeepSpec drops samples with fewer supervised tokens (docs/interop.md §Training data files)
-
-
-def _template_kwargs(tokenizer) -> dict:
-    """`enable_thinking=False` for templates that read it (Qwen3), nothing otherwise."""
-    template = tokenizer.chat_template or ""
-    if not isinstance(template, str):  # several named templates
-        template = " ".join(str(t) for t in (template.values() if isinstance(template, dict) else template))
-    return {"enable_thinking": False} if "enable_thinking" in template else {}
 
 
 def render_text(tokenizer, messages: list[dict], add_generation_prompt: bool) -> str:

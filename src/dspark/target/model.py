@@ -42,6 +42,15 @@ def default_target_layer_ids(num_layers: int, count: int = 5) -> list[int]:
     return sorted({round(1 + i * (last - 1) / (count - 1)) for i in range(count)})
 
 
+def chat_template_kwargs(tokenizer) -> dict:
+    """`enable_thinking=False` for templates that read it (Qwen3), nothing otherwise: the evaluation protocol's
+    and the training data's prompts (docs/interop.md §Evaluation protocol)."""
+    template = tokenizer.chat_template or ""
+    if not isinstance(template, str):  # several named templates
+        template = " ".join(str(t) for t in (template.values() if isinstance(template, dict) else template))
+    return {"enable_thinking": False} if "enable_thinking" in template else {}
+
+
 class TargetModel:
     def __init__(self, model: CausalLM, tokenizer, name: str, path: Path | None,
                  eos_token_ids: list[int], max_context: int) -> None:
@@ -137,6 +146,7 @@ class TargetModel:
         if tok.chat_template:
             ids = tok.apply_chat_template(
                 [{"role": "user", "content": user_message}], add_generation_prompt=True, tokenize=True,
+                **chat_template_kwargs(tok),
             )
             if isinstance(ids, dict) or hasattr(ids, "keys"):
                 ids = ids["input_ids"]
