@@ -31,6 +31,18 @@ def _records(path: Path) -> dict[str, dict]:
     return {str(r["id"]): r for r in map(json.loads, path.read_text().splitlines())}
 
 
+BEGIN, END = "<!-- regenerate-throughput:begin -->", "<!-- regenerate-throughput:end -->"
+
+
+def write_block(doc: Path, block: str, command: str) -> None:
+    """The measured block between the page's markers (the page's own text stays), or a new page."""
+    if doc.is_file() and BEGIN in (text := doc.read_text()) and END in text:
+        head, rest = text.split(BEGIN, 1)
+        doc.write_text(head + BEGIN + "\n" + block + "\n" + END + rest.split(END, 1)[1])
+    else:
+        doc.write_text("# Regeneration throughput\n\n" + command + "\n\n" + BEGIN + "\n" + block + "\n" + END + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="smollm2-135m")
@@ -93,15 +105,15 @@ def main(argv: list[str] | None = None) -> int:
     if any(d != "float32" for d in args.engine_dtypes.split(",")):
         weights += ("A bfloat16 row samples from the bf16 target, whose distribution differs slightly from the "
                     "float32 one, so its records differ from the static row's by design. ")
-    args.doc.write_text(
-        "# Regeneration throughput\n\n" + command + "\n\n"
+    block = (
         f"`dspark data regenerate` on {args.num} prompts from `dspark data prompts` (domains {summary.written}), "
         f"target {args.target}, {args.threads} thread(s), `--max-new-tokens {args.max_new_tokens}`, "
         f"DeepSpec sampling (temperature 0.7, top_p 0.8, top_k 20), seed {args.seed}, no drafter. "
         "The static path decodes fixed batches and each waits for its longest answer; the engine keeps "
         "`batch` requests decoding and starts the next turn as one ends. Every turn has its own generator "
         "seeded by (seed, line, turn), so the records do not depend on the path. " + weights + "\n\n"
-        + "\n".join(table) + "\n")
+        + "\n".join(table))
+    write_block(args.doc, block, command)
     print(f"wrote {args.doc}")
     return 0
 
