@@ -71,8 +71,8 @@ def cap_onednn_cache(capacity: int = ONEDNN_CACHE_CAPACITY, ideep_capacity: int 
 
 def freeze_startup_objects() -> int:
     """Move every object alive now (the modules of torch, transformers, the model) out of the garbage
-    collector's reach: a full collection then scans only what requests allocate. Without it a full
-    collection took 0.2-0.6 s on a busy machine and stalled the event loop (docs/reliability.md).
+    collector's reach: a full collection then scans only what requests allocate. Over the start-up heap a
+    full collection took 0.1-0.3 s (scripts/soak_probe.py, during loading), all of it with the GIL held.
     Returns how many objects were frozen."""
     gc.collect()
     gc.freeze()
