@@ -98,16 +98,36 @@ def logits_to_probs_rows(
     p = top_p[sampled].float()
     cut_p = (p < 1.0).nonzero().squeeze(-1)
     if len(cut_p):
-        rows = dist[cut_p]
-        sorted_probs, order = torch.sort(rows, dim=-1, descending=True, stable=True)
-        cum = sorted_probs.cumsum(-1)
-        # keep the smallest prefix whose mass reaches top_p (the token crossing it stays)
-        drop_sorted = (cum - sorted_probs) >= p[cut_p, None]
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        rows = rows.masked_fill(drop, 0.0)
-        dist[cut_p] = rows / rows.sum(-1, keepdim=True)
+        dist[cut_p] = _top_p(dist[cut_p], p[cut_p])
     probs[sampled] = dist
     return probs
+
+
+#: top-p looks for its cut among this many likeliest tokens first (a partial sort), and sorts a whole row
+#: only when their mass falls short of top_p: a full sort of 49,152 probabilities costs ~4 ms a row on a CPU
+TOP_P_CANDIDATES = 1024
+
+
+def _top_p(
+    rows: torch.Tensor,  # (C, V) probabilities
+    top_p: torch.Tensor,  # (C,) in (0, 1)
+) -> torch.Tensor:  # (C, V) renormalised over the smallest prefix (by probability) whose mass reaches top_p
+    """Keep the smallest prefix of the tokens sorted by probability whose mass reaches top_p (the token
+    crossing it stays). The prefix and its sums are the same whether read off ``topk`` or a full sort."""
+    V = rows.shape[-1]
+    k = min(TOP_P_CANDIDATES, V)
+    values, order = torch.topk(rows, k, dim=-1)  # (C, k) descending
+    cum = values.cumsum(-1)
+    full = (cum[:, -1] < top_p).nonzero().squeeze(-1)  # rows whose cut lies beyond the candidates
+    if len(full):
+        sorted_probs, full_order = torch.sort(rows[full], dim=-1, descending=True, stable=True)
+        keep_full = (sorted_probs.cumsum(-1) - sorted_probs) < top_p[full, None]
+    keep_sorted = (cum - values) < top_p[:, None]  # (C, k)
+    keep = torch.zeros_like(rows, dtype=torch.bool).scatter(-1, order, keep_sorted)
+    if len(full):
+        keep[full] = torch.zeros_like(keep_full).scatter(-1, full_order, keep_full)
+    kept = rows.masked_fill(~keep, 0.0)
+    return kept / kept.sum(-1, keepdim=True)
 
 
 def sample_from_probs(

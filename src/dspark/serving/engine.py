@@ -27,8 +27,10 @@ reproduces the output only for the same batch schedule (the output
 distribution is the target's either way). Greedy output never depends on the
 batch.
 
-Handles deliver ``StreamEvent``s either to an asyncio queue (``submit(...,
-loop=...)``: the server) or to a thread-safe queue (tests, scripts).
+Handles deliver ``StreamEvent``s to an asyncio queue (``submit(...,
+loop=...)``: the server with the engine as its thread), to a callback
+(``sink``: the engine core of ``dspark.serving.engine_process``, which forwards
+them to the HTTP process), or to a thread-safe queue (tests, scripts).
 """
 
 from __future__ import annotations

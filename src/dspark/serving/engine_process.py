@@ -353,8 +353,12 @@ def _core_main(conn, build: Callable[..., Engine], build_args: tuple) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # and then stops this one
     try:
         engine = build(*build_args)
+        limits = replace(engine.config)  # what the HTTP side enforces, counting its open requests
+        # the core takes whatever it is sent: a request the HTTP side admitted just after another's final
+        # event must not meet a slot the engine has not released yet
+        engine.config.max_queue = 2**31
         engine.start()
-        conn.send(("ready", TargetInfo.of(engine.target), engine.config, engine.stats()))
+        conn.send(("ready", TargetInfo.of(engine.target), limits, engine.stats()))
     except BaseException as err:  # noqa: BLE001 - report it to the parent, which raises it
         try:
             conn.send(("failed", err))
