@@ -17,7 +17,7 @@ import pytest
 
 from dspark.errors import ModelLoadError
 from dspark.sampling.processing import SamplingParams
-from dspark.serving.engine import Engine, EngineConfig, QueueFullError
+from dspark.serving.engine import Engine, EngineClosedError, EngineConfig, QueueFullError
 from dspark.serving.engine_process import EngineProcess
 from dspark.serving.server import ServerConfig, ServerThread, create_app
 from dspark.target.model import load_target, load_tokenizer
@@ -78,8 +78,12 @@ def test_submit_refuses_as_the_engine_does(core):
 
 
 def test_a_build_error_reaches_the_caller(folder):
+    engine = EngineProcess(build_fails, folder)
     with pytest.raises(ModelLoadError, match="no model in"):
-        EngineProcess(build_fails, folder).start()
+        engine.start()
+    assert not engine.running
+    with pytest.raises(EngineClosedError):  # not a silent second start with no core behind it
+        engine.start()
 
 
 def test_stop_aborts_open_requests(folder):

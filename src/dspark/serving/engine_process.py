@@ -125,6 +125,7 @@ class EngineProcess:
                                  name="dspark-engine-core", daemon=True)
         self._proc.start()
         child.close()
+        self._dead = "the engine process did not start"  # until it says it is ready
         try:
             if not conn.poll(self.start_timeout_s):
                 raise ModelLoadError(f"the engine process was not ready after {self.start_timeout_s:.0f} s")
@@ -138,6 +139,7 @@ class EngineProcess:
         if msg[0] == "failed":
             self._proc.join(5)
             raise msg[1]
+        self._dead = None
         _, self.target, self.config, self._stats = msg
         self._conn = conn
         self._reader = threading.Thread(target=self._read, name="dspark-engine-reader", daemon=True)
