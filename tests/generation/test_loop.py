@@ -185,3 +185,18 @@ def test_target_probs_of_the_batch_equal_one_call_per_request():
         want = logits_to_probs(logits[offset : offset + n], s.temperature, s.top_k, s.top_p)
         assert torch.equal(got[r, :n], want) and not got[r, n:].any()
         offset += n
+
+
+def test_mixed_settings_in_one_batch_give_each_request_its_text_alone():
+    """Batched host work (one processing call and one rejection-sampling pass for the whole step): seeded
+    requests with different temperature / top-k / top-p settings give, together, what each gives alone."""
+    target = tiny_target(seed=4, sharp=1.0)
+    gen = SpeculativeGenerator(target, PromptLookupDrafter(target.vocab_size, 4))
+    sp = [SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=25, seed=5),
+          SamplingParams(temperature=0.0, max_new_tokens=25),
+          SamplingParams(temperature=0.8, top_k=10, max_new_tokens=25, seed=6)]
+    together = [r.output_ids for r in gen.generate(PROMPTS, sp)]
+    alone = [gen.generate([p], [s])[0].output_ids for p, s in zip(PROMPTS, sp)]
+    assert together == alone
+    swapped = [gen.generate([p], [s])[0].output_ids for p, s in zip(PROMPTS, [sp[2], sp[1], sp[0]])]
+    assert swapped[0] != together[0]  # negative control: the settings and seeds do reach each request

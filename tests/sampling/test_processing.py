@@ -200,3 +200,24 @@ def test_sample_one_row_and_reproducibility():
     again = sample_from_probs(probs.expand(50, 16), torch.Generator().manual_seed(3))
     assert torch.equal(first, again)
     assert int(first[0]) == int(token)  # one uniform per row, in row order
+
+
+def test_rows_with_their_own_settings_equal_each_row_alone():
+    """The batched processing (one call, a setting per row) against the per-request one, bit for bit; the
+    settings mix greedy, temperature, top-k, top-p and both, with ties at the top-p boundary."""
+    from dspark.sampling.processing import logits_to_probs_rows
+
+    gen = torch.Generator().manual_seed(3)
+    V = 300
+    settings = [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.7, 5, 1.0), (1.0, 0, 0.9), (1.3, 20, 0.8), (0.0, 7, 0.5),
+                (2.0, V, 1.0), (1.0, 1, 0.3), (0.9, 0, 0.999)]
+    logits = torch.randn(len(settings) * 3, V, generator=gen) * 3
+    logits[5, :40] = 4.0  # ties straddling top-p's cut
+    rows = [s for s in settings for _ in range(3)]
+    temperature, top_k, top_p = (torch.tensor([s[i] for s in rows]) for i in range(3))
+    batched = logits_to_probs_rows(logits, temperature.float(), top_k.long(), top_p.float())
+    for i, (t, k, p) in enumerate(rows):
+        assert torch.equal(batched[i], logits_to_probs(logits[i], t, k, p)), (i, rows[i])
+    # negative control: the comparison sees a setting applied to the wrong row
+    swapped = logits_to_probs_rows(logits, temperature.flip(0).float(), top_k.long(), top_p.float())
+    assert not all(torch.equal(swapped[i], logits_to_probs(logits[i], *rows[i])) for i in range(len(rows)))

@@ -71,11 +71,39 @@ class SoakConfig:
     progress_path: str | None = None  # the samples so far, rewritten after every block
 
 
-def rss_mib(pid: int) -> float:
+def _own_rss_mib(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     raise RuntimeError(f"no VmRSS for process {pid}")
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
+def process_rss_mib(pid: int) -> dict[int, float]:
+    """VmRSS of ``pid`` and of its descendants (the server and its engine core), by process id."""
+    out, todo = {}, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            out[p] = _own_rss_mib(p)
+            todo += _children(p)
+        except (OSError, RuntimeError):  # it exited meanwhile
+            pass
+    return out
+
+
+def rss_mib(pid: int) -> float:
+    """The server's resident memory: its own plus its children's (the engine core runs in one)."""
+    return sum(process_rss_mib(pid).values())
 
 
 def _free_port() -> int:
@@ -264,7 +292,9 @@ def run_load(url: str, requests: list[dict], cfg: SoakConfig, pid: int, log=prin
             list(pool.map(one, requests[start : start + cfg.block]))
         done = min(start + cfg.block, len(requests))
         worst, failures = watch.worst()
-        samples.append({"requests": done, "rss_mib": rss_mib(pid), "seconds": time.perf_counter() - t0,
+        by_process = process_rss_mib(pid)
+        samples.append({"requests": done, "rss_mib": sum(by_process.values()), "rss_by_process": by_process,
+                        "seconds": time.perf_counter() - t0,
                         "health_worst_s": worst, "health_failures": failures})
         if cfg.progress_path:  # a run stopped early still leaves its samples
             Path(cfg.progress_path).write_text(json.dumps({"samples": samples, "outcomes": outcomes}))
@@ -368,7 +398,8 @@ def render_soak(result: dict, command: str) -> str:
              + ", ".join(f"{v} {k}" for k, v in result["kinds"].items())
              + f"; {result['streams']} streamed; 1 to 6 tokens each (cancelled streams ask for 64 and are dropped "
              f"after their first event); concurrency {', '.join(map(str, CONCURRENCY))} clients in turn, "
-             f"{cfg['block']} requests each. RSS of the server process after each block.", "",
+             f"{cfg['block']} requests each. RSS of the server's processes (the HTTP process and, "
+             "with --engine-process, its engine core, summed) after each block.", "",
              "| requests | RSS (MiB) | elapsed (s) |", "|---|---|---|",
              f"| 0 (started) | {fmt(samples[0]['rss_mib'], 0)} | 0 |"]
     for k in marks:

@@ -19,7 +19,7 @@ import torch
 
 from dspark.drafters.base import Drafter, RequestState
 from dspark.modeling.kv_cache import KVCache
-from dspark.sampling.processing import logits_to_probs, sample_from_probs
+from dspark.sampling.processing import logits_to_probs, logits_to_probs_rows, sample_from_probs
 from dspark.sampling.rejection import rejection_sample
 from dspark.scheduler.confidence import ConfidenceAdapter
 from dspark.scheduler.policies import VerifyPolicy
@@ -114,22 +114,17 @@ def _target_probs(
     seq_lens: list[int],  # (R,) 1 + verify_len per request
     K: int,
 ) -> torch.Tensor:  # (R, K+1, V) float32, zero past each request's rows
-    """``logits_to_probs`` for the whole batch: one call per distinct (temperature, top-k, top-p), not per request
-    (every operation in it works row by row, so each row is what a call of its own would give)."""
+    """``logits_to_probs`` for the whole batch in one ``logits_to_probs_rows`` call, each token row with its
+    request's settings (every operation in it works row by row, so each row is what a call of its own gives)."""
     R, V = len(requests), logits.shape[-1]
     lens = torch.tensor(seq_lens)
     token_req = torch.repeat_interleave(torch.arange(R), lens)  # (N,)
     token_row = torch.arange(int(lens.sum())) - (lens.cumsum(0) - lens)[token_req]  # (N,)
-    settings: dict[tuple, list[int]] = {}
-    for r, req in enumerate(requests):
-        s = req.sampling
-        settings.setdefault((s.temperature, s.top_k, s.top_p), []).append(r)
+    settings = torch.tensor([[r.sampling.temperature, r.sampling.top_k, r.sampling.top_p] for r in requests],
+                            dtype=torch.float64)[token_req]  # (N, 3)
+    probs = logits_to_probs_rows(logits, settings[:, 0].float(), settings[:, 1].long(), settings[:, 2].float())
     target_probs = torch.zeros(R, K + 1, V, device=logits.device)
-    for (temperature, top_k, top_p), rows in settings.items():
-        take = torch.isin(token_req, torch.tensor(rows)) if len(rows) < R else torch.ones_like(token_req, dtype=torch.bool)
-        index = take.nonzero().squeeze(-1)  # (M,) tokens of these requests
-        probs = logits_to_probs(logits[index.to(logits.device)], temperature, top_k, top_p)  # (M, V)
-        target_probs[token_req[index].to(logits.device), token_row[index].to(logits.device)] = probs
+    target_probs[token_req.to(logits.device), token_row.to(logits.device)] = probs
     return target_probs
 
 

@@ -20,8 +20,10 @@ and a one-hot (greedy) target reduces the rule to exact match with its argmax.
 
 Randomness. Each request draws only from its own ``generators[r]``: first
 exactly num_draft[r] acceptance uniforms (one per draft, also after a
-rejection), then the single uniform that ``sample_from_probs`` uses for the
-recovered or bonus token. So what request r gets, and the state its generator
+rejection), then the single uniform that inverse-CDF sampling
+(``sample_from_probs``) uses for the recovered or bonus token: one
+``torch.rand`` call per request, after which the whole batch is verified and
+sampled in tensor operations. So what request r gets, and the state its generator
 is left in, do not depend on the other requests of the batch or on K, and a
 fixed seed reproduces the output. Several rows may pass the *same* generator
 object (handy for large statistical tests): such rows draw from it in row
@@ -34,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark.sampling.processing import sample_from_probs
+from dspark.sampling.processing import sample_with_uniforms
 
 #: residual mass at or below which the recovered token falls back to target_probs
 RESIDUAL_EPS = 1e-8
@@ -71,7 +73,7 @@ def rejection_sample(
     draft_at = _probs_at(draft_probs, tokens)  # (R, K)
 
     # u < min(1, target / draft); a draft probability of 0 (never sampled) is a rejection
-    uniforms = _acceptance_uniforms(valid, groups)  # (R, K)
+    uniforms, final_uniforms = _draw_uniforms(valid, groups)  # (R, K), (R,)
     ratio = target_at / draft_at.clamp_min(torch.finfo(draft_at.dtype).tiny)
     accepted = (draft_at > 0) & (uniforms < ratio) & valid  # (R, K)
     num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)  # (R,) leading run only
@@ -79,7 +81,7 @@ def rejection_sample(
 
     # the recovered (rejected) or bonus (all accepted) token both come from row num_accepted
     final_probs = _final_distribution(num_accepted, rejected, draft_probs, target_probs)  # (R, V)
-    final_tokens = _sample_rows(final_probs, groups).to(device)  # (R,)
+    final_tokens = sample_with_uniforms(final_probs, final_uniforms).to(device)  # (R,)
 
     output_tokens = torch.full((R, K + 1), PADDING_TOKEN, dtype=torch.long, device=device)
     output_tokens[:, :K] = torch.where(positions[None, :] < num_accepted[:, None], draft_tokens, PADDING_TOKEN)
@@ -129,29 +131,42 @@ def _group_rows(generators: list[torch.Generator | None]) -> list[tuple[torch.Ge
     return list(groups.values())
 
 
-def _acceptance_uniforms(
-    valid: torch.Tensor,  # (R, K) bool, True for real (non-padding) drafts
+def _draw_uniforms(
+    valid: torch.Tensor,  # (R, K) bool, True for real (non-padding) drafts: a prefix of each row
     groups: list[tuple[torch.Generator | None, list[int]]],
-) -> torch.Tensor:  # (R, K) float32 on valid.device; 1.0 at padding
-    """num_draft[r] uniforms per request from its own generator, in row order."""
+) -> tuple[torch.Tensor, torch.Tensor]:  # (R, K) acceptance uniforms (1.0 at padding), (R,) final uniforms
+    """Every random number of the step, one generator call per request (per group of rows sharing one).
+
+    A group draws, in this order, the acceptance uniforms of its rows (row-major: num_draft[r] each) and
+    then one final uniform per row, the stream the module docstring fixes. On a CPU generator that is one
+    ``torch.rand`` call (consecutive calls continue one stream); elsewhere two. The draws are then laid out
+    with two index operations, whatever R."""
     R, K = valid.shape
-    uniforms = torch.ones(R, K)
-    if K == 0:
-        return uniforms.to(valid.device)
-    valid_cpu = valid.cpu()
-    counts = valid_cpu.sum(dim=1).tolist()  # num_draft per request
+    counts = valid.sum(dim=1).tolist() if K else [0] * R  # num_draft per request
+    pieces, acc_rows, acc_cols, fin_rows, acc_at, fin_at = [], [], [], [], [], []
+    offset = 0
     for gen, rows in groups:
-        if len(rows) == 1:  # the usual case: one generator per request
-            n = counts[rows[0]]
-            if n:
-                uniforms[rows[0], :n] = torch.rand(n, generator=gen, device=_device_of(gen)).cpu()
-            continue
-        index = torch.tensor(rows)
-        mask = valid_cpu[index]  # (rows, K), row-major = the order a per-request loop draws in
-        block = torch.ones(len(rows), K)
-        block[mask] = torch.rand(int(mask.sum()), generator=gen, device=_device_of(gen)).cpu()
-        uniforms[index] = block
-    return uniforms.to(valid.device)
+        n_acc = sum(counts[r] for r in rows)
+        device = _device_of(gen)
+        if device.type == "cpu":
+            pieces.append(torch.rand(n_acc + len(rows), generator=gen))
+        else:  # counter-based generators do not continue a stream across calls of other sizes
+            pieces += [torch.rand(n_acc, generator=gen, device=device).cpu(),
+                       torch.rand(len(rows), generator=gen, device=device).cpu()]
+        for r in rows:
+            acc_rows += [r] * counts[r]
+            acc_cols += range(counts[r])
+        acc_at += range(offset, offset + n_acc)
+        fin_at += range(offset + n_acc, offset + n_acc + len(rows))
+        fin_rows += rows
+        offset += n_acc + len(rows)
+    flat = torch.cat(pieces)  # (sum num_draft + R,)
+    uniforms = torch.ones(R, K)
+    if acc_at:
+        uniforms[acc_rows, acc_cols] = flat[acc_at]
+    final_uniforms = torch.empty(R)
+    final_uniforms[fin_rows] = flat[fin_at]
+    return uniforms.to(valid.device), final_uniforms
 
 
 def _final_distribution(
@@ -185,26 +200,6 @@ def _select_rows(
     except RuntimeError:  # e.g. a stride-0 expanded tensor
         return probs.gather(1, index[:, None, None].expand(R, 1, V)).squeeze(1)
     return flat.index_select(0, torch.arange(R, device=index.device) * J + index)
-
-
-def _sample_rows(
-    probs: torch.Tensor,  # (R, V)
-    groups: list[tuple[torch.Generator | None, list[int]]],
-) -> torch.Tensor:  # (R,) int64 on the CPU
-    """One token per row with ``sample_from_probs``, each row drawing from its own generator."""
-    R = probs.shape[0]
-    tokens = torch.empty(R, dtype=torch.long)
-    on_device: dict[torch.device, torch.Tensor] = {}  # one copy of probs per generator device
-    for gen, rows in groups:
-        device = _device_of(gen)
-        if device not in on_device:
-            on_device[device] = probs.to(device)
-        if len(rows) == 1:  # the usual case: one generator per request
-            tokens[rows[0]] = sample_from_probs(on_device[device][rows[0] : rows[0] + 1], gen)[0].cpu()
-            continue
-        index = torch.tensor(rows)
-        tokens[index] = sample_from_probs(on_device[device].index_select(0, index.to(device)), gen).cpu()
-    return tokens
 
 
 def _device_of(gen: torch.Generator | None) -> torch.device:

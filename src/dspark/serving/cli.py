@@ -83,9 +83,14 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
                    help="close a connection whose request head has not arrived S seconds after it opened or "
                    "after its last response (slowloris) (default: %(default)s)")
     p.add_argument("--malloc-tuning", action=argparse.BooleanOptionalAction, default=True,
-                   help="memory settings for a long run: oneDNN's kernel cache capped at 16 shapes, and glibc "
+                   help="memory settings for a long run: oneDNN's kernel cache capped at 16 shapes and ideep's at "
+                   "64, and glibc "
                    "with fixed mmap/trim thresholds, 2 arenas and free heap pages returned every 64 requests, "
                    "which lower RSS over a long run (docs/reliability.md, Soak) (default: on)")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the engine core (model, drafter, scheduler) in a process of its own, as vLLM's "
+                   "EngineCore, so the HTTP event loop never waits for the engine's hold on the GIL; "
+                   "--no-engine-process runs it as a thread of the server (default: on)")
     p.add_argument("--prefill-chunk", type=int, default=256, metavar="N",
                    help="prompt tokens prefilled between two decode steps, so a long prompt delays the other "
                    "streams by one chunk at most; 0 prefills whole prompts (default: %(default)s)")
@@ -104,16 +109,47 @@ def set_threads(threads: int | None) -> None:
         torch.set_num_threads(threads)
 
 
+def build_engine(args: argparse.Namespace):
+    """The ``Engine`` that `dspark serve` runs (target, drafter, verify policy), from its flags; in the engine
+    process (``--engine-process``) this runs in the child, so it also applies the threads and allocator
+    settings there."""
+    from dspark.drafters.registry import load_drafter
+    from dspark.errors import ModelLoadError
+    from dspark.scheduler.adapter import make_policy, parse_policy
+    from dspark.scheduler.profile import load_or_profile
+    from dspark.scheduler.sts import load_sts_json
+    from dspark.serving.engine import Engine, EngineConfig
+    from dspark.serving.memory import freeze_startup_objects
+
+    if args.malloc_tuning:  # before the model is loaded: its tensors and every later one follow the settings
+        from dspark.serving.memory import cap_onednn_cache, tune_malloc
+
+        cap_onednn_cache()
+        tune_malloc()
+    set_threads(getattr(args, "threads", None) or int(os.environ.get("DSPARK_THREADS", "0") or 0) or None)
+    target = load_target_from_args(args)
+    if target.tokenizer is None:
+        raise ModelLoadError(f"{args.target} has no tokenizer; the server needs one to read prompts")
+    drafter = load_drafter(args.drafter, target, drafting_options(args))
+    sps = None
+    if parse_policy(args.policy).needs_sps_table:
+        sps = load_or_profile(args.sps_table, target, max(drafter.block_size, 1), args.max_batch,
+                              drafter.target_layer_ids)
+    temps = load_sts_json(args.sts, drafter.block_size) if args.sts else None
+    policy = make_policy(args.policy, sps, temps, args.fallback_confidence)
+    engine = Engine(target, drafter, policy, EngineConfig(max_batch=args.max_batch, max_queue=args.max_queue,
+                                                          prefill_chunk=args.prefill_chunk or None))
+    freeze_startup_objects()  # garbage collections scan only what requests allocate (serving.memory)
+    return engine
+
+
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from dspark.drafters.registry import load_drafter
-    from dspark.errors import DSparkError, ModelLoadError
-    from dspark.scheduler.sts import load_sts_json
-    from dspark.scheduler.profile import load_or_profile
-    from dspark.serving.engine import Engine, EngineConfig
-    from dspark.scheduler.adapter import make_policy, parse_policy
+    from dspark.errors import DSparkError
+    from dspark.scheduler.adapter import parse_policy
     from dspark.serving.limits import uvicorn_limits
+    from dspark.serving.memory import freeze_startup_objects
     from dspark.serving.params import SamplingDefaults
     from dspark.serving.server import ServerConfig, create_app
     from dspark.serving.shutdown import DrainingServer
@@ -126,25 +162,20 @@ def _serve(args: argparse.Namespace) -> int:
         raise DSparkError(f"--default-max-tokens must be >= 1, got {args.default_max_tokens}")
     if args.generation_config not in ("auto", "vllm") and not os.path.isdir(args.generation_config):
         raise DSparkError(f"--generation-config {args.generation_config!r} is not auto, vllm or a folder")
-    spec = parse_policy(args.policy)
-    if args.malloc_tuning:  # before the model is loaded: its tensors and every later one follow the settings
-        from dspark.serving.memory import cap_onednn_cache, tune_malloc
+    parse_policy(args.policy)  # a bad --policy fails here, before any model is loaded
+    if args.engine_process:
+        from dspark.serving.engine_process import EngineProcess
+        from dspark.target.model import load_tokenizer
 
-        cap_onednn_cache()
-        tune_malloc()
-    set_threads(args.threads)
-    target = load_target_from_args(args)
-    if target.tokenizer is None:
-        raise ModelLoadError(f"{args.target} has no tokenizer; the server needs one to read prompts")
-    drafter = load_drafter(args.drafter, target, drafting_options(args))
-    sps = None
-    if spec.needs_sps_table:
-        sps = load_or_profile(args.sps_table, target, max(drafter.block_size, 1), args.max_batch,
-                              drafter.target_layer_ids)
-    temps = load_sts_json(args.sts, drafter.block_size) if args.sts else None
-    policy = make_policy(args.policy, sps, temps, args.fallback_confidence)
-    engine = Engine(target, drafter, policy, EngineConfig(max_batch=args.max_batch, max_queue=args.max_queue,
-                                                          prefill_chunk=args.prefill_chunk or None))
+        if args.malloc_tuning:
+            from dspark.serving.memory import tune_malloc
+
+            tune_malloc()  # this process's own allocations (requests, responses)
+        engine = EngineProcess(build_engine, args).start()
+        target, tokenizer = engine.target, load_tokenizer(engine.target.path)
+    else:
+        engine = build_engine(args)
+        target, tokenizer = engine.target, engine.target.tokenizer
     api_key = args.api_key or os.environ.get("DSPARK_API_KEY") or None
     source = {"auto": target.path, "vllm": None}.get(args.generation_config, args.generation_config)
     config = ServerConfig(model_name=args.served_model_name or args.target, api_key=api_key,
@@ -152,12 +183,18 @@ def _serve(args: argparse.Namespace) -> int:
                           max_prompt_tokens=default_max_prompt_tokens(args.max_prompt_tokens, target),
                           shutdown_timeout_s=args.shutdown_timeout, malloc_trim_every=64 if args.malloc_tuning else 0,
                           sampling_defaults=SamplingDefaults.from_folder(source))
-    app = create_app(engine, target.tokenizer, config)
-    print(f"[dspark] serving {config.model_name} with drafter {args.drafter}, policy {policy.name} on "
-          f"http://{args.host}:{args.port}/v1{' (API key required)' if api_key else ''}", file=sys.stderr)
-    DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                  **uvicorn_limits(args.max_connections, args.keep_alive_timeout,
-                                                   args.header_timeout))).run()
+    app = create_app(engine, tokenizer, config)
+    freeze_startup_objects()
+    policy = engine.policy.name if hasattr(engine, "policy") and engine.policy is not None else args.policy
+    print(f"[dspark] serving {config.model_name} with drafter {args.drafter}, policy {policy} on "
+          f"http://{args.host}:{args.port}/v1{' (API key required)' if api_key else ''}"
+          f"{' (engine core in process ' + str(engine.pid) + ')' if args.engine_process else ''}", file=sys.stderr)
+    try:
+        DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                      **uvicorn_limits(args.max_connections, args.keep_alive_timeout,
+                                                       args.header_timeout))).run()
+    finally:
+        engine.stop(0.25)  # idempotent: the app's shutdown stopped it unless uvicorn never started
     # Everything is closed and every client answered. Interpreter teardown with torch and a tokenizer loaded
     # takes ~3 s more here (in C, after main returns), which would break the exit-within-timeout + 2 s
     # promise of --shutdown-timeout, so end the process now.

@@ -27,8 +27,10 @@ reproduces the output only for the same batch schedule (the output
 distribution is the target's either way). Greedy output never depends on the
 batch.
 
-Handles deliver ``StreamEvent``s either to an asyncio queue (``submit(...,
-loop=...)``: the server) or to a thread-safe queue (tests, scripts).
+Handles deliver ``StreamEvent``s to an asyncio queue (``submit(...,
+loop=...)``: the server with the engine as its thread), to a callback
+(``sink``: the engine core of ``dspark.serving.engine_process``, which forwards
+them to the HTTP process), or to a thread-safe queue (tests, scripts).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import asdict, dataclass
 
 from dspark.drafters.base import Drafter, NoDrafter, RequestState
@@ -104,7 +106,8 @@ class RequestHandle:
     """The caller's side of one request: its event stream and ``cancel``."""
 
     def __init__(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
-                 engine: "Engine", loop: asyncio.AbstractEventLoop | None) -> None:
+                 engine: "Engine", loop: asyncio.AbstractEventLoop | None,
+                 sink: Callable[["RequestHandle", StreamEvent], None] | None = None) -> None:
         self.request_id = request_id
         self.prompt_ids = prompt_ids
         self.sampling = sampling
@@ -112,8 +115,9 @@ class RequestHandle:
         self.stats: AcceptanceStats | None = None  # per-request acceptance, set by the engine
         self._engine = engine
         self._loop = loop
+        self._sink = sink  # instead of a queue: called with every event (the engine process forwards them)
         self._aqueue: asyncio.Queue[StreamEvent] | None = asyncio.Queue() if loop is not None else None
-        self._squeue: queue.Queue[StreamEvent] | None = queue.Queue() if loop is None else None
+        self._squeue: queue.Queue[StreamEvent] | None = queue.Queue() if loop is None and sink is None else None
         self._cancel_reason: str | None = None
         self._done = False
         self._emit_lock = threading.Lock()  # abort() emits from the caller's thread, the engine from its own
@@ -124,6 +128,9 @@ class RequestHandle:
             if self._done:
                 return
             self._done = event.finished
+        if self._sink is not None:
+            self._sink(self, event)
+            return
         if self._squeue is not None:
             self._squeue.put(event)
             return
@@ -271,12 +278,16 @@ class Engine:
             )
 
     def submit(self, prompt_ids: list[int], sampling: SamplingParams, request_id: str | None = None,
-               loop: asyncio.AbstractEventLoop | None = None) -> RequestHandle:
-        """Queue a request. Raises PromptError, QueueFullError (all slots busy and queue full) or EngineClosedError."""
+               loop: asyncio.AbstractEventLoop | None = None,
+               sink: Callable[[RequestHandle, StreamEvent], None] | None = None) -> RequestHandle:
+        """Queue a request. Raises PromptError, QueueFullError (all slots busy and queue full) or EngineClosedError.
+
+        Events go to an asyncio queue (``loop``), to ``sink`` (called on the engine thread), or to a
+        thread-safe queue (neither)."""
         prompt_ids = [int(t) for t in prompt_ids]
         self.check_request(prompt_ids, sampling)
         rid = request_id or f"req-{next(self._ids)}"
-        handle = RequestHandle(rid, prompt_ids, sampling, self, loop)
+        handle = RequestHandle(rid, prompt_ids, sampling, self, loop, sink)
         with self._cv:
             if self._closing:
                 self._count_locked("rejected")

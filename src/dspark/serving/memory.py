@@ -6,10 +6,15 @@ With glibc's defaults a freed block of a few MB raises the mmap threshold to its
 of that size come from per-thread heaps (arenas) that fragment and are seldom returned to the system:
 RSS can rise in steps with the mix of request sizes and not come back.
 
-One grower is oneDNN's primitive cache (bf16 matmuls on CPU): it keeps up to 1,024 compiled kernels,
-one per new (rows, weight) shape, each holding its own buffers, and a server sees a new row count with
-almost every new prompt length and batch. ``cap_onednn_cache`` caps it: the soak in docs/reliability.md
-measured RSS 225 MiB lower at 1,000 requests with the cap, though RSS still rises after that.
+The growers are the kernel caches of bf16 matmuls on CPU. A server sees a new row count with almost
+every new prompt length and batch, and each new (rows, weight) shape compiles new kernels that stay:
+
+- oneDNN's primitive cache (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``, 1,024 by default): capped at 16, RSS
+  225 MiB lower at 1,000 soak requests (docs/reliability.md);
+- ideep's LRU cache of computations in front of it (``LRU_CACHE_CAPACITY``, 1,024 by default), which
+  the prepacked linears (``dspark.modeling.packed``) go through: about 1.6 MiB of heap per new row
+  count, so 160 distinct prompt lengths grew the heap in use by 254 MiB and it never came back
+  (``scripts/native_growth.py``); capped at 64 entries it stays flat, at no measurable cost in speed.
 
 ``tune_malloc`` fixes the thresholds (mallopt: which also turns off their dynamic adjustment) and caps
 the number of arenas; ``Trimmer`` returns free heap pages to the system (malloc_trim) every
@@ -20,6 +25,7 @@ an allocator setting given in the environment (MALLOC_ARENA_MAX, ...) is left as
 from __future__ import annotations
 
 import ctypes
+import gc
 import logging
 import os
 import threading
@@ -53,12 +59,24 @@ def tune_malloc(arena_max: int = 2, mmap_threshold: int = 256 * 1024, trim_thres
 
 
 ONEDNN_CACHE_CAPACITY = 16  # oneDNN's default is 1024
+IDEEP_CACHE_CAPACITY = 64  # ideep's default is 1024
 
 
-def cap_onednn_cache(capacity: int = ONEDNN_CACHE_CAPACITY) -> int:
-    """Cap oneDNN's primitive cache (read at its first use, so call this before the first matmul); an
-    ONEDNN_PRIMITIVE_CACHE_CAPACITY given in the environment wins. Returns the capacity in force."""
-    return int(os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(capacity)))
+def cap_onednn_cache(capacity: int = ONEDNN_CACHE_CAPACITY, ideep_capacity: int = IDEEP_CACHE_CAPACITY) -> dict:
+    """Cap oneDNN's primitive cache and ideep's computation cache (both read at their first use, so call
+    this before the first matmul); a capacity given in the environment wins. Returns the capacities in force."""
+    return {name: int(os.environ.setdefault(name, str(value)))
+            for name, value in (("ONEDNN_PRIMITIVE_CACHE_CAPACITY", capacity), ("LRU_CACHE_CAPACITY", ideep_capacity))}
+
+
+def freeze_startup_objects() -> int:
+    """Move every object alive now (the modules of torch, transformers, the model) out of the garbage
+    collector's reach: a full collection then scans only what requests allocate. Over the start-up heap a
+    full collection took 0.1-0.3 s (scripts/soak_probe.py, during loading), all of it with the GIL held.
+    Returns how many objects were frozen."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 class Trimmer:
