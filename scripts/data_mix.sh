@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Which training data buys the better drafter per CPU-hour: more regenerated answers, or teacher-forced labelled
-# text (docs/data-throughput.md §Which data per CPU-hour). Both arms start from the reference drafter's stage-1
+# text (docs/reports/data-throughput.md §Which data per CPU-hour). Both arms start from the reference drafter's stage-1
 # weights (scripts/reference_drafter.sh) and train for the same seconds on one thread each, side by side, on stage 1's
 # feature cache plus
 #   regen: the answers to the next prompts (stage 2's features2; stage 2 of scripts/reference_drafter.sh is this arm)

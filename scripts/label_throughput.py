@@ -1,4 +1,4 @@
-"""Teacher-forced labelling against the target's prefill rate (docs/data-throughput.md §Labelling at the machine's
+"""Teacher-forced labelling against the target's prefill rate (docs/reports/data-throughput.md §Labelling at the machine's
 speed).
 
 The reference is the target's prefill: one forward over a sequence with the logits of every position and the

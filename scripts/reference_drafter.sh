@@ -63,6 +63,6 @@ PY
     --init-from "$R/dspark/step_latest" --set "cache_dir=[\"$R/features\", \"$R/features2\"]" \
     --set feature_source=cache --set max_length=512 --set dtype=bfloat16 --set epochs=200 \
     --set "time_budget_s=$TRAIN2_S" --set checkpoint_every=100 --set keep_checkpoints=100
-  # not packaged: stage 2 was not measurably better than stage 1 (docs/results.md §Stage 2); replace
+  # not packaged: stage 2 was not measurably better than stage 1 (docs/reports/results.md §Stage 2); replace
   # checkpoints/smollm2-135m-dspark only with a drafter that is
 fi

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Evaluate a candidate reference drafter and write docs/results.md (paper Table 1 at T=0 and T=1, per-position
+# Evaluate a candidate reference drafter and write docs/reports/results.md (paper Table 1 at T=0 and T=1, per-position
 # curves, calibration): the candidate DSpark against the shipped drafter, its DFlash twin (the same data and
 # steps), prompt lookup and hybrid drafting. All 8 sets, 10 prompts each (80 in all), 128 new tokens, bf16, every
 # draft verified, 95 % bootstrap intervals over prompts and paired differences against the candidate (the first
-# drafter of each run). Run after scripts/scale_train.sh (docs/training-scale.md).
+# drafter of each run). Run after scripts/scale_train.sh (docs/reports/training-scale.md).
 #
 #   bash scripts/reference_eval.sh                         # CAND=runs/scale/train/dspark-all/step_latest
 #   CAND=... TWIN=... EVAL=runs/scale/ref-eval bash scripts/reference_eval.sh
@@ -49,4 +49,4 @@ one_temperature 0 > "$EVAL.t0.log" 2>&1 &
 } > "$EVAL.t1.log" 2>&1 &
 wait
 .venv/bin/python scripts/reference_report.py --eval "$EVAL" --calibration "$CALIB" --sts-eval "$EVAL/t1-sts" \
-  "${train[@]}" --out docs/results.md
+  "${train[@]}" --out docs/reports/results.md

@@ -1,15 +1,15 @@
-"""Write docs/results.md: a candidate reference drafter against the shipped one, its DFlash twin, prompt lookup
+"""Write docs/reports/results.md: a candidate reference drafter against the shipped one, its DFlash twin, prompt lookup
 and hybrid drafting (paper Table 1 at temperature 0 and 1, per-position curves, calibration).
 
 Reads the `dspark eval` / `dspark calibrate` folders and the training summaries; scripts/reference_eval.sh runs
 every command and then this script:
 
     python scripts/reference_report.py --eval runs/scale/ref-eval --calibration runs/scale/ref-calib \
-        --sts-eval runs/scale/ref-eval/t1-sts --train dspark=runs/scale/train/dspark-all [--out docs/results.md]
+        --sts-eval runs/scale/ref-eval/t1-sts --train dspark=runs/scale/train/dspark-all [--out docs/reports/results.md]
 
 --eval holds t0 and t1 (the drafters side by side, the candidate `dspark` first: every paired difference is
 against it) and t0-hybrid, t1-hybrid (hybrid drafting with the candidate and with the shipped drafter).
-The per-position curves and the reliability diagram are copied to docs/figures/reference/.
+The per-position curves and the reliability diagram are copied to docs/reports/figures/reference/.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def main() -> int:
                    help="a training run whose train_summary.json is tabled; repeatable")
     p.add_argument("--calibration", default=None, help="`dspark calibrate --out` folder of the candidate")
     p.add_argument("--sts-eval", default=None, help="temperature-1 evaluation with --sts")
-    p.add_argument("--out", default="docs/results.md")
+    p.add_argument("--out", default="docs/reports/results.md")
     args = p.parse_args()
     out, ev = Path(args.out), Path(args.eval)
     figures = out.parent / "figures" / "reference"
@@ -111,7 +111,7 @@ def main() -> int:
         "Paper Table 1 (acceptance length at temperature 0 and 1), the per-position curves and the confidence "
         "head's calibration. Rerun: `bash scripts/reference_eval.sh` (it runs every evaluation, then "
         "`python scripts/reference_report.py` with its folders). Rows: the first (`dspark`, or `dspark-N` for a point of the scaling curve) = the candidate reference drafter "
-        "(docs/training-scale.md), `shipped` = the checkpoint in checkpoints/smollm2-135m-dspark when the "
+        "(docs/reports/training-scale.md), `shipped` = the checkpoint in checkpoints/smollm2-135m-dspark when the "
         "evaluation ran, `dflash` (`dflash-N`) = DFlash trained beside the candidate on the same data and steps, "
         "`prompt-lookup`, and `hybrid` / `hybrid-shipped` = `--hybrid` (prompt lookup on repeats, the trained "
         "drafter elsewhere) with the candidate / the shipped drafter. Brackets: 95 % bootstrap intervals over "

@@ -1,4 +1,4 @@
-"""Regeneration throughput (docs/data-throughput.md): static batches against the continuous-batching engine.
+"""Regeneration throughput (docs/reports/data-throughput.md): static batches against the continuous-batching engine.
 
     .venv/bin/python scripts/regenerate_throughput.py --threads 1 --num 48 --max-new-tokens 128 \
         --static-batch 8 --batch-sizes 8,16,32
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
                    "default: %(default)s)")
     p.add_argument("--unpacked-baseline", action="store_true",
                    help="the static row with plain nn.Linear weights (the decoding layout before prepacking)")
-    p.add_argument("--doc", type=Path, default=Path("docs/data-throughput.md"))
+    p.add_argument("--doc", type=Path, default=Path("docs/reports/data-throughput.md"))
     args = p.parse_args(argv)
     bad = [d for d in args.engine_dtypes.split(",") if d not in ("float32", "bfloat16")]
     if bad:

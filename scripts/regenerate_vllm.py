@@ -14,7 +14,7 @@
 4. counts the records equal to the in-process ones; for each record that differs it finds the first differing
    token of the first differing message and the in-process target's logit gap there between the two engines'
    choices (a near tie that rounding breaks either way), so every difference is explained or shown not to be one;
-5. writes the table between the markers in --doc (docs/data-throughput.md) and the per-record results to --details
+5. writes the table between the markers in --doc (docs/reports/data-throughput.md) and the per-record results to --details
    (docs/interop/regenerate-vllm.json).
 
 Without VLLM_VENV, --vllm-python (default .venv-vllm/bin/python, as `make interop` makes it) must have vLLM's CPU

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The training set of the drafter-at-scale run (docs/training-scale.md): teacher-forced labelled text from the offline
+# The training set of the drafter-at-scale run (docs/reports/training-scale.md): teacher-forced labelled text from the offline
 # sources (`dspark data label`), tokenized at 1,024 tokens, and the target's features cached in three slices so
 # that the first ones are usable (and the scaling curve's small points are prefixes) while the rest is built:
 #   A = sequences [0, 1000)  (~0.3 M tokens)   B = [1000, 3500) (~1.1 M in all)   C = [3500, end) (~4.2 M in all)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The drafter-at-scale runs (docs/training-scale.md) on the slices of scripts/scale_data.sh, and the scaling curve:
+# The drafter-at-scale runs (docs/reports/training-scale.md) on the slices of scripts/scale_data.sh, and the scaling curve:
 # DSpark (Markov head) and DFlash trained on the first N sequences of the labelled set for 3 passes each (equal
 # steps per token), N = 330, 1000, 3500 and all 13,875 (about 0.1 M, 0.3 M, 1.1 M and 4.2 M tokens; 0.06 M,
 # 0.2 M, 0.7 M and 2.7 M supervised), Qwen3-shaped draft layers (q/k RMSNorm: the layout SGLang and vLLM load),

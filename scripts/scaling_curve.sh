@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The scaling curve of docs/training-scale.md: every point of scripts/scale_train.sh whose DSpark and DFlash runs
+# The scaling curve of docs/reports/training-scale.md: every point of scripts/scale_train.sh whose DSpark and DFlash runs
 # have finished is evaluated greedily (10 prompts per benchmark, 128 new tokens, bf16, BATCH requests per static
 # batch; one eval folder, resumed per sample), then scripts/scaling_report.py writes the table and
-# docs/figures/scaling.png from the samples of that folder and of the POOL folders (earlier greedy evaluations with
+# docs/reports/figures/scaling.png from the samples of that folder and of the POOL folders (earlier greedy evaluations with
 # the same prompts and seed, e.g. scripts/reference_eval.sh's t0 or a batch-1 run: a point found there is not
 # evaluated again).
 #   bash scripts/scale_data.sh && bash scripts/scale_train.sh && bash scripts/scaling_curve.sh
@@ -25,4 +25,4 @@ done
 evals=()
 for f in $POOL "$EVAL"; do [ -f "$f/samples.jsonl" ] && evals+=(--eval "$f"); done
 .venv/bin/python scripts/scaling_report.py "${evals[@]}" --tok "$R/tok-label-1k" --train "$R/train" \
-  --out docs/training-scale.md --figure docs/figures/scaling.png
+  --out docs/reports/training-scale.md --figure docs/reports/figures/scaling.png

@@ -1,4 +1,4 @@
-"""The scaling curve of docs/training-scale.md: tau against supervised training tokens, DSpark and DFlash.
+"""The scaling curve of docs/reports/training-scale.md: tau against supervised training tokens, DSpark and DFlash.
 
 Reads the greedy evaluation that ``scripts/scaling_curve.sh`` writes (one ``dspark eval`` folder holding every
 ``dspark-N`` and ``dflash-N`` drafter of ``scripts/scale_train.sh``), the tokenized set the points are prefixes
@@ -7,7 +7,7 @@ per domain with 95 % bootstrap intervals over prompts, DSpark - DFlash with a pa
 positions' conditional acceptance) into the page and the figure next to it.
 
     .venv/bin/python scripts/scaling_report.py --eval runs/scale/eval-greedy --tok runs/scale/tok-label-1k \
-        --train runs/scale/train --out docs/training-scale.md --figure docs/figures/scaling.png
+        --train runs/scale/train --out docs/reports/training-scale.md --figure docs/reports/figures/scaling.png
 """
 
 from __future__ import annotations
@@ -62,8 +62,8 @@ def main(argv: list[str] | None = None) -> int:
                     "token budget and seed; default runs/scale/eval-greedy)")
     ap.add_argument("--tok", type=Path, default=Path("runs/scale/tok-label-1k"))
     ap.add_argument("--train", type=Path, default=Path("runs/scale/train"))
-    ap.add_argument("--out", type=Path, default=Path("docs/training-scale.md"))
-    ap.add_argument("--figure", type=Path, default=Path("docs/figures/scaling.png"))
+    ap.add_argument("--out", type=Path, default=Path("docs/reports/training-scale.md"))
+    ap.add_argument("--figure", type=Path, default=Path("docs/reports/figures/scaling.png"))
     args = ap.parse_args(argv)
 
     evals = args.eval or [Path("runs/scale/eval-greedy")]

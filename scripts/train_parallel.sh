@@ -2,7 +2,7 @@
 # Both cores for drafter training: one process with two threads against two DDP processes (torchrun, gloo, one
 # thread each), the same global batch (4 sequences: grad_accum 4 against 2 x 2), the same cache and steps; and one
 # process with one thread for reference. Prints each run's tokens/s from its train_summary.json
-# (docs/training-scale.md §Both cores). Run it on a quiet machine: the ratio is what to read.
+# (docs/reports/training-scale.md §Both cores). Run it on a quiet machine: the ratio is what to read.
 #   bash scripts/train_parallel.sh              # R=runs/scale STEPS=30
 set -euo pipefail
 DSPARK=${DSPARK:-.venv/bin/dspark}

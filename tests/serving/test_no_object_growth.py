@@ -1,6 +1,6 @@
 """A soak in miniature: Python objects do not grow with the number of requests served (handles, tasks, queues,
 per-request state kept by the server, the engine or the metrics). The resident-memory soak itself is a
-benchmark (`dspark bench chaos --soak N`, docs/reliability.md); this checks the Python side in seconds.
+benchmark (`dspark bench chaos --soak N`, docs/reports/reliability.md); this checks the Python side in seconds.
 
 Target: a tiny random model with SmolLM2's vocabulary behind the real SmolLM2 tokenizer.
 """

@@ -122,7 +122,7 @@ def test_sigterm_ends_every_stream_cleanly_and_exits_0(served):
 
     for t in threads:
         t.join(SHUTDOWN_TIMEOUT_S + 60)
-    rc = proc.wait(SHUTDOWN_TIMEOUT_S + 60)  # a hang guard, not a speed check (docs/reliability.md times it)
+    rc = proc.wait(SHUTDOWN_TIMEOUT_S + 60)  # a hang guard, not a speed check (docs/reports/reliability.md times it)
     exit_s = time.monotonic() - t_term
     log.seek(0)
     text = log.read()

@@ -1,4 +1,4 @@
-"""`dspark bench chaos`: faults and load against an in-process server on 127.0.0.1, written to docs/reliability.md.
+"""`dspark bench chaos`: faults and load against an in-process server on 127.0.0.1, written to docs/reports/reliability.md.
 
 Four measurements, each against what one bad client could do to the others:
 

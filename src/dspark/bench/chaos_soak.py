@@ -1,5 +1,5 @@
 """`dspark bench chaos --soak N`: N mixed requests against a `dspark serve` process on 127.0.0.1, its RSS
-sampled, then SIGTERM with streams in flight. Written into docs/reliability.md (its "Soak" section).
+sampled, then SIGTERM with streams in flight. Written into docs/reports/reliability.md (its "Soak" section).
 
 The server runs in its own process so its resident memory is its own (the load generator's threads and
 buffers are not counted). The requests are small (a few tokens each) and mixed the way a day of traffic

@@ -145,7 +145,7 @@ def add_chaos(bench: argparse._SubParsersAction) -> None:
     b.add_argument("--hol-trials", type=int, default=3, help="(default: %(default)s)")
     b.add_argument("--threads", type=int, default=argparse.SUPPRESS,
                    help="torch CPU threads (default: the global --threads, else torch's choice)")
-    b.add_argument("--doc", default="docs/reliability.md", help="(default: %(default)s)")
+    b.add_argument("--doc", default="docs/reports/reliability.md", help="(default: %(default)s)")
     b.add_argument("--soak", type=int, default=None, metavar="N",
                    help="instead: a soak of N mixed requests (lengths, concurrency, streaming, cancellation, bad "
                    "input) against a `dspark serve` process, its RSS sampled, then SIGTERM with streams in flight; "

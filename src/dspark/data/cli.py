@@ -222,7 +222,7 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=32,
                    help="requests the engine decodes together; a turn joins as another ends (default: %(default)s)")
     p.add_argument("--static-batches", action="store_true",
-                   help="the old path, kept for comparison (docs/data-throughput.md): decode fixed batches of "
+                   help="the old path, kept for comparison (docs/reports/data-throughput.md): decode fixed batches of "
                    "--batch-size conversations, each batch waiting for its longest answer; same records")
     p.add_argument("--max-new-tokens", type=int, default=1024, help="per assistant turn (default: %(default)s)")
     p.add_argument("--temperature", type=float, default=0.7, help="(default: %(default)s)")

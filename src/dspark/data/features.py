@@ -76,7 +76,7 @@ def bytes_per_token(hidden_size: int, num_layers: int, attention_mask: bool = Tr
 
 def labelling_dtype(device: str) -> str:
     """The dtype `dspark data features` runs the target in by default: bfloat16 on a GPU and on CPUs with bf16
-    matmul units (about 3x float32 there, docs/data-throughput.md; the cache stores bf16 either way and bf16 is
+    matmul units (about 3x float32 there, docs/reports/data-throughput.md; the cache stores bf16 either way and bf16 is
     what decoding runs), else float32."""
     from dspark.target.model import cpu_has_bf16_matmul
 

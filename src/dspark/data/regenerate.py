@@ -18,7 +18,7 @@ Three ways to answer a turn, one record format (``regenerate_io``):
 - in process, continuous batching (default, ``regenerate_engine``): the serving
   engine keeps ``batch_size`` requests decoding; a turn joins as another ends;
 - in process, static batches (``static_batches=True``, kept to measure against,
-  docs/data-throughput.md): ``SpeculativeGenerator`` decodes ``batch_size``
+  docs/reports/data-throughput.md): ``SpeculativeGenerator`` decodes ``batch_size``
   conversations together, each batch waiting for its longest answer;
 - any OpenAI-compatible server (``regenerate_http``).
 

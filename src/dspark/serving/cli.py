@@ -15,7 +15,7 @@ from dspark.target.presets import DEFAULT_TARGET
 from dspark.cli_options import add_drafter_options, add_target_options, drafting_options, load_target_from_args
 
 # --max-prompt-tokens on a CPU: SmolLM2-135M prefilled an 8,190-token prompt in 48 s on one busy core, so
-# half that is the most a client should wait for (docs/reliability.md)
+# half that is the most a client should wait for (docs/reports/reliability.md)
 CPU_MAX_PROMPT_TOKENS = 4096
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024  # = serving.limits.DEFAULT_MAX_BODY_BYTES (not imported: start-up time)
 
@@ -86,7 +86,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
                    help="memory settings for a long run: oneDNN's kernel cache capped at 16 shapes and ideep's at "
                    "64, and glibc "
                    "with fixed mmap/trim thresholds, 2 arenas and free heap pages returned every 64 requests, "
-                   "which lower RSS over a long run (docs/reliability.md, Soak) (default: on)")
+                   "which lower RSS over a long run (docs/reports/reliability.md, Soak) (default: on)")
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine core (model, drafter, scheduler) in a process of its own, as vLLM's "
                    "EngineCore, so the HTTP event loop never waits for the engine's hold on the GIL; "

@@ -4,7 +4,7 @@ The HTTP process keeps the event loop, tokenisation, detokenisation and streamin
 runs an ``Engine`` (target, drafter, verify policy, its engine thread) and nothing else. In one
 process the engine thread and the event loop share one GIL: whenever the OS preempts the engine thread
 while it holds the GIL (a busy machine does so often), the loop waits until the engine runs again, so
-/health and every stream inherit the engine's scheduling delays (docs/reliability.md, "Where /health
+/health and every stream inherit the engine's scheduling delays (docs/reports/reliability.md, "Where /health
 waited"). Two processes have two GILs.
 
 Protocol: one duplex ``multiprocessing`` pipe carrying pickled tuples.

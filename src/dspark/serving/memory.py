@@ -10,7 +10,7 @@ The growers are the kernel caches of bf16 matmuls on CPU. A server sees a new ro
 every new prompt length and batch, and each new (rows, weight) shape compiles new kernels that stay:
 
 - oneDNN's primitive cache (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``, 1,024 by default): capped at 16, RSS
-  225 MiB lower at 1,000 soak requests (docs/reliability.md);
+  225 MiB lower at 1,000 soak requests (docs/reports/reliability.md);
 - ideep's LRU cache of computations in front of it (``LRU_CACHE_CAPACITY``, 1,024 by default), which
   the prepacked linears (``dspark.modeling.packed``) go through: about 1.6 MiB of heap per new row
   count, so 160 distinct prompt lengths grew the heap in use by 254 MiB and it never came back

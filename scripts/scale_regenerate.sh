@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# On-policy training data at scale: the target's own answers to many prompts, regenerated through vLLM's CPU
+# server (`dspark data regenerate --base-url`: 2.7x the in-process rate here in float32, docs/reports/data-throughput.md
+# §Through vLLM's server). The drafter-at-scale run found teacher-forced labelled text worse than the target's own
+# answers (docs/reports/training-scale.md §What the 3,500 point says); these answers are the next stage's data.
+#
+#   bash scripts/scale_regenerate.sh          # R=runs/scale NUM=12000 VLLM_VENV=.venv-vllm PORT=8011
+#
+# Resumable: the prompt file is built once, `dspark data regenerate` skips the records already written, and the
+# same command goes on after an interruption. The server runs in bfloat16 (vLLM's CPU default for SmolLM2, 1.7x
+# its float32 rate); sampling is DeepSpec's (temperature 0.7, top-p 0.8, top-k 20), 256 new tokens per turn.
+# The server is stopped when the script ends (or is killed). Chunked prefill is off: vLLM 0.32's CPU runner
+# kills its engine core on a seeded request whose prefill was chunked ("RuntimeError: CPU Generator does not use
+# offset" in _bookkeeping_sync), and every turn here carries its seed.
+set -euo pipefail
+DSPARK=${DSPARK:-.venv/bin/dspark}
+R=${R:-runs/scale}
+NUM=${NUM:-12000}
+PORT=${PORT:-8011}
+VLLM_VENV=${VLLM_VENV:-.venv-vllm}
+MODEL=${MODEL:-$HOME/.cache/dspark/models/smollm2-135m}
+DTYPE=${DTYPE:-bfloat16}
+[ -x "$VLLM_VENV/bin/python" ] || { echo "no vLLM at $VLLM_VENV: make interop's venv, or VLLM_VENV=/path"; exit 2; }
+mkdir -p "$R"
+[ -f "$R/prompts-R.jsonl" ] || $DSPARK data prompts --out "$R/prompts-R.jsonl" --num "$NUM" --seed 21
+VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-2} "$VLLM_VENV/bin/python" -m vllm.entrypoints.openai.api_server \
+  --model "$MODEL" --served-model-name smollm2-135m --dtype "$DTYPE" --enforce-eager --max-model-len 4096 \
+  --no-enable-chunked-prefill --max-num-batched-tokens 8192 --max-num-seqs 16 \
+  --host 127.0.0.1 --port "$PORT" > "$R/vllm-regenerate.log" 2>&1 &
+server=$!
+trap 'kill $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
+for _ in $(seq 300); do
+  curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && break
+  kill -0 $server 2>/dev/null || { echo "vLLM stopped; see $R/vllm-regenerate.log"; exit 1; }
+  sleep 2
+done
+$DSPARK data regenerate --prompts "$R/prompts-R.jsonl" --out "$R/regenerated-R.jsonl" --max-new-tokens 256 \
+  --seed 21 --base-url "http://127.0.0.1:$PORT/v1" --model smollm2-135m --concurrency 16
