@@ -8,6 +8,7 @@
 #   bash scripts/reference_eval.sh                         # CAND=runs/scale/train/dspark-all/step_latest
 #   CAND=... TWIN=... EVAL=runs/scale/ref-eval bash scripts/reference_eval.sh
 #   CAND_NAME=dspark-3500 TWIN_NAME=dflash-3500 ...   # row names (the scaling report pools dspark-N/dflash-N rows)
+#   CALIBRATE=shipped ...                               # STS for the shipped drafter instead of the candidate
 #
 # Every evaluation resumes per sample (an interrupted run goes on); the greedy and the temperature-1 runs go side
 # by side, one thread each. BATCH requests per static batch (default 8: acceptance does not depend on it, greedy
@@ -29,6 +30,8 @@ TWIN_NAME=${TWIN_NAME:-dflash}
 drafters=(--drafter "$CAND_NAME=$CAND" --drafter "shipped=$SHIPPED")
 [ -d "$TWIN" ] && drafters+=(--drafter "$TWIN_NAME=$TWIN")
 drafters+=(--drafter prompt-lookup=prompt-lookup)
+# the drafter whose confidence head is calibrated (STS) and evaluated with it: the candidate, or CALIBRATE=shipped
+if [ "${CALIBRATE:-candidate}" = shipped ]; then cal_name=shipped cal_spec=$SHIPPED; else cal_name=$CAND_NAME cal_spec=$CAND; fi
 train=(--train "$CAND_NAME=$(dirname "$CAND")")
 [ -d "$TWIN" ] && train+=(--train "$TWIN_NAME=$(dirname "$TWIN")")
 
@@ -42,10 +45,10 @@ one_temperature 0 > "$EVAL.t0.log" 2>&1 &
 {
   one_temperature 1
   # STS on held-out rows beyond the evaluation caps, then temperature 1 with it applied
-  [ -f "$CALIB/sts.json" ] || $DSPARK --threads 1 calibrate --drafter "$CAND" --name "$CAND_NAME" --limit 8 \
+  [ -f "$CALIB/sts.json" ] || $DSPARK --threads 1 calibrate --drafter "$cal_spec" --name "$cal_name" --limit 8 \
     --max-new-tokens 128 --temperature 1 --dtype bfloat16 --batch-size "$BATCH" --no-progress --out "$CALIB"
-  $DSPARK --threads 1 eval "${COMMON[@]}" --temperature 1 --out "$EVAL/t1-sts" --drafter "$CAND_NAME=$CAND" \
-    --sts "$CAND_NAME=$CALIB/sts.json"
+  $DSPARK --threads 1 eval "${COMMON[@]}" --temperature 1 --out "$EVAL/t1-sts" --drafter "$cal_name=$cal_spec" \
+    --sts "$cal_name=$CALIB/sts.json"
 } > "$EVAL.t1.log" 2>&1 &
 wait
 .venv/bin/python scripts/reference_report.py --eval "$EVAL" --calibration "$CALIB" --sts-eval "$EVAL/t1-sts" \
