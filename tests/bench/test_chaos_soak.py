@@ -36,3 +36,22 @@ def test_the_page_reports_rss_per_thousand_and_the_ratio(tmp_path):
     write_soak_section(_result(3000), "cmd", page)  # replaces its own section, keeps the rest
     body = page.read_text()
     assert body.count(BEGIN) == 1 and body.count(END) == 1 and "chaos text" in body and "| 3000 |" in body
+
+
+def test_a_rerun_keeps_the_hand_written_block_the_soak_and_what_follows(tmp_path, monkeypatch):
+    """`dspark bench chaos` rewrites its own sections only: the kept block, the Soak section and the text after
+    it survive, in order; a hand-written section outside the markers does not (the reason for the markers)."""
+    from dspark.bench import chaos
+
+    monkeypatch.setattr(chaos, "render", lambda result, command: "# Reliability\n\nnew tables\n")
+    page = tmp_path / "reliability.md"
+    page.write_text("# Reliability\n\nold tables\n\n## Loose notes\n\nlost\n\n"
+                    f"{chaos.KEEP_BEGIN}\n## Where it waited\n\nkept\n{chaos.KEEP_END}\n\n"
+                    f"{BEGIN}\n## Soak\n\nrss\n{END}\n\n### Earlier soaks\n\nhistory\n")
+    chaos.write_page({}, "cmd", page)
+    text = page.read_text()
+    assert "new tables" in text and "old tables" not in text and "lost" not in text
+    order = [text.index(x) for x in ("new tables", "## Limits and shutdown", "kept", "## Soak", "history")]
+    assert order == sorted(order)
+    chaos.write_page({}, "cmd", page)  # a second rerun changes nothing more
+    assert page.read_text() == text

@@ -396,22 +396,39 @@ def limits_section() -> list[str]:
         f"OpenAI's shape; uvicorn is left nothing to cancel (at most {ABORT_GRACE_S} + {FORCE_GRACE_S} s more) "
         "and the process exits 0. Tested against a real `dspark serve` in `tests/serving/test_shutdown.py`; "
         "the Soak section times it.", "",
-        "Memory (`serving/memory.py`, `--malloc-tuning`, on by default): oneDNN's primitive cache (a compiled "
-        "kernel with its buffers per new matmul shape, 1,024 by default) capped at 16, fixed glibc mmap and trim "
-        "thresholds, two malloc arenas, and `malloc_trim` every 64 requests; the Soak section measures RSS "
-        "with them.", "",
+        "Memory (`serving/memory.py`, `--malloc-tuning`, on by default): oneDNN's primitive cache (a compiled"
+        " kernel with its buffers per new matmul shape, 1,024 by default) capped at 16 and ideep's "
+        'computation cache in front of it (`LRU_CACHE_CAPACITY`, 1,024 by default; "What grew" below) capped '
+        "at 64, fixed glibc mmap and trim thresholds, two malloc arenas, and `malloc_trim` every 64 requests;"
+        " the objects alive after start-up are frozen out of the garbage collector (`gc.freeze`); the Soak "
+        "section measures RSS with them.", "",
+        "The engine core runs in its own process (`serving/engine_process.py`, `--engine-process`, on by "
+        "default; docs/serving.md, Engine): a crash of it (SIGKILL, out of memory, a native fault) ends every"
+        " open stream with an error event and `data: [DONE]` and every other open request with a 500 in "
+        "OpenAI's shape, `/health` then answers 503 and new requests 503; nothing hangs "
+        "(`tests/serving/test_engine_process.py`). On SIGTERM the HTTP process drains as above and then stops"
+        " the core, which ignores the signal itself.", "",
     ]
 
 
+#: a hand-written part of the page (a diagnosis, a study) that a rerun keeps, as it keeps the Soak section
+KEEP_BEGIN, KEEP_END = "<!-- kept: written by hand, kept by dspark bench chaos -->", "<!-- /kept -->"
+
+
 def write_page(result: dict, command: str, path: str | Path) -> Path:
-    """The page; the Soak section a `--soak` run wrote (``chaos_soak``) is kept."""
+    """The page; the hand-written block (``KEEP_BEGIN``) and the Soak section a `--soak` run wrote
+    (``chaos_soak``) are kept, in that order, and whatever follows the Soak section too."""
     from dspark.bench.chaos_soak import BEGIN, END
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     old = path.read_text() if path.exists() else ""
     page = render(result, command).rstrip("\n") + "\n\n" + "\n".join(limits_section())
-    if BEGIN in old and END in old:
-        page = page.rstrip("\n") + "\n\n" + BEGIN + old.split(BEGIN, 1)[1].split(END, 1)[0] + END + "\n"
+    for begin, end in ((KEEP_BEGIN, KEEP_END), (BEGIN, END)):
+        if begin in old and end in old:
+            after = old.split(begin, 1)[1].split(end, 1)
+            page = page.rstrip("\n") + "\n\n" + begin + after[0] + end + "\n"
+    if BEGIN in old and END in old and (tail := old.split(END, 1)[1].strip()):
+        page += "\n" + tail + "\n"
     path.write_text(page)
     return path
