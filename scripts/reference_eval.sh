@@ -51,5 +51,6 @@ one_temperature 0 > "$EVAL.t0.log" 2>&1 &
     --sts "$cal_name=$CALIB/sts.json"
 } > "$EVAL.t1.log" 2>&1 &
 wait
-.venv/bin/python scripts/reference_report.py --eval "$EVAL" --calibration "$CALIB" --sts-eval "$EVAL/t1-sts" \
+cmd="CAND=$CAND TWIN=$TWIN CAND_NAME=$CAND_NAME TWIN_NAME=$TWIN_NAME EVAL=$EVAL CALIB=$CALIB CALIBRATE=${CALIBRATE:-candidate}"
+.venv/bin/python scripts/reference_report.py --command "$cmd bash scripts/reference_eval.sh" --eval "$EVAL" --calibration "$CALIB" --sts-eval "$EVAL/t1-sts" \
   "${train[@]}" --out docs/reports/results.md

@@ -102,6 +102,8 @@ def main() -> int:
     p.add_argument("--calibration", default=None, help="`dspark calibrate --out` folder of the candidate")
     p.add_argument("--sts-eval", default=None, help="temperature-1 evaluation with --sts")
     p.add_argument("--out", default="docs/reports/results.md")
+    p.add_argument("--command", default="bash scripts/reference_eval.sh",
+                   help="the command that ran the evaluations, for the page (reference_eval.sh passes its own)")
     args = p.parse_args()
     out, ev = Path(args.out), Path(args.eval)
     figures = out.parent / "figures" / "reference"
@@ -109,7 +111,7 @@ def main() -> int:
     parts = [
         "# Results: the reference drafter against its peers\n",
         "Paper Table 1 (acceptance length at temperature 0 and 1), the per-position curves and the confidence "
-        "head's calibration. Rerun: `bash scripts/reference_eval.sh` (it runs every evaluation, then "
+        "head's calibration. Rerun: `" + args.command + "` (it runs every evaluation, then "
         "`python scripts/reference_report.py` with its folders). Rows: the first (`dspark`, or `dspark-N` for a point of the scaling curve) = the candidate reference drafter "
         "(docs/reports/training-scale.md), `shipped` = the checkpoint in checkpoints/smollm2-135m-dspark when the "
         "evaluation ran, `dflash` (`dflash-N`) = DFlash trained beside the candidate on the same data and steps, "

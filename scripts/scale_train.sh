@@ -14,6 +14,7 @@
 #   SESSION_S=3000 bash scripts/scale_train.sh all eagle3
 #   PROCS=2 bash scripts/scale_train.sh all      # each drafter on both cores in turn
 #   bash scripts/scale_train.sh depth2-3500      # the depth ablation: DSpark with 2 draft layers (dspark2-3500)
+#   bash scripts/scale_train.sh layer-target-330 # DSpark with the target family's draft layer (dsparktl-330)
 set -euo pipefail
 DSPARK=${DSPARK:-.venv/bin/dspark}
 R=${R:-runs/scale}
@@ -57,6 +58,11 @@ for p in "${points[@]}"; do
   if [ "$p" = eagle3 ]; then
     train eagle3-all smollm2-eagle3 "$(caches_for all)" all --set "model.target_layer_ids=[1,14,27]" \
       --set draft_vocab_size=null
+    continue
+  fi
+  if [[ "$p" == layer-target-* ]]; then  # the draft-layer check: the target family's layer (no q/k norm)
+    n=${p#layer-target-}
+    train "dsparktl-$n" smollm2-dspark-markov "$(caches_for "$n")" "$n" --set model.draft_layer=target
     continue
   fi
   if [[ "$p" == depth2-* ]]; then  # the depth ablation: DSpark with 2 draft layers at point N
