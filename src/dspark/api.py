@@ -173,18 +173,17 @@ class SpeculativeDecoder:
                fallback_confidence: float = 1.0):
         """The continuous-batching engine `dspark serve` runs, with the same verify policy names
         (``dspark.scheduler.adapter.POLICY_HELP``) and defaults; token ids in and out. Use it as a context
-        manager: ``with sd.engine() as engine: engine.generate(ids, SamplingParams(...))``."""
+        manager: ``with sd.engine() as engine: engine.generate(ids, SamplingParams(...))``. ``sps_table``: what
+        ``alg1`` / ``async`` plan on, a step-cost model or an SPS table file (`dspark profile`)."""
+        from dspark.generation.step_profile import load_or_profile_cost
         from dspark.scheduler.adapter import make_policy, parse_policy
-        from dspark.scheduler.profile import load_or_profile
         from dspark.scheduler.sts import load_sts_json
         from dspark.serving.engine import Engine, EngineConfig
 
         spec = parse_policy(policy)
-        block = max(self.drafter.block_size, 1)
         table = None
         if spec.needs_sps_table:
-            table = load_or_profile(str(sps_table) if sps_table else None, self.target, block, max_batch,
-                                    self.drafter.target_layer_ids)
+            table = load_or_profile_cost(str(sps_table) if sps_table else None, self.target, self.drafter, max_batch)
         temps = load_sts_json(str(sts), self.drafter.block_size) if sts else None
         return Engine(self.target, self.drafter, make_policy(policy, table, temps, fallback_confidence),
                       EngineConfig(max_batch=max_batch, max_queue=max_queue, prefill_chunk=prefill_chunk))

@@ -16,7 +16,7 @@ from dspark.errors import DSparkError
 from dspark.evaluation import cli as evaluation_cli
 from dspark.export import cli as export_cli
 from dspark.generation import cli as generation_cli
-from dspark.scheduler import cli as scheduler_cli
+from dspark.generation import profile_cli
 from dspark.serving import cli as serving_cli
 from dspark.simulate import cli as simulate_cli
 from dspark.studies import cli as studies_cli
@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     export_cli.add_cli(sub)  # export --to sglang|vllm|vocab (and export-vocab, deprecated)
     evaluation_cli.add_cli(sub)  # eval, calibrate
     studies_cli.add_reproduce(sub)  # reproduce
-    scheduler_cli.add_cli(sub)  # profile
+    profile_cli.add_cli(sub)  # profile
     serving_cli.add_cli(sub)  # serve
     simulate_cli.add_cli(sub)  # simulate
     _add_bench(sub)  # bench {serve, speed}

@@ -213,7 +213,8 @@ def test_async_lag_and_reset() -> None:
 def test_async_matches_a_loop_reference() -> None:
     rng = random.Random(1)
     for _ in range(30):
-        policy, history = AsyncTopKScheduler(SPSTable((1, 4, 9), (1.0, 0.7, 0.4), 16)), []
+        table = SPSTable((1, 4, 9), (1.0, 0.7, 0.4), 16)
+        policy, history = AsyncTopKScheduler(table), []
         for _ in range(6):
             c, n, _ = _random_case(rng)
             got = policy.choose(torch.tensor(c, dtype=torch.float64), counts(n)).tolist()
@@ -227,7 +228,7 @@ def test_async_matches_a_loop_reference() -> None:
                 k = len(a)
             else:
                 pool = history[-2]
-                thetas = [(R + sum(pool[:b])) * policy.sps_table.sps(R + b) for b in range(len(pool) + 1)]
+                thetas = [(R + sum(pool[:b])) * table.sps(R + b) for b in range(len(pool) + 1)]
                 k = thetas.index(max(thetas))
             expected = [0] * R
             for _, j, r in a[:k]:

@@ -111,7 +111,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
         target=args.target, device=device, dtype=dtype, compile=args.compile, drafter=args.drafter, policies=args.policies, concurrency=args.concurrency,
         num_requests=args.num_requests, max_tokens=args.max_tokens, temperature=args.temperature,
         prompts=args.prompts, block_size=args.block_size, head_top_m=args.head_top_m,
-        draft_vocab=args.draft_vocab, sps_table=args.sps_table, sts=args.sts,
+        draft_vocab=args.draft_vocab, sps_table=args.sps_table, profile_step_cost=args.profile_step_cost, sts=args.sts,
         fallback_confidence=args.fallback_confidence, time_limit_s=args.time_limit, seed=args.seed,
         url=args.url, api_key=args.api_key or os.environ.get("DSPARK_API_KEY") or None,
     )

@@ -199,7 +199,8 @@ class SweepConfig:
     block_size: int | None = None
     head_top_m: int | None = None
     draft_vocab: str | None = None
-    sps_table: str | None = None
+    sps_table: str | None = None  # a step-cost model or an SPS table (StepCostModel.load reads both)
+    profile_step_cost: str | None = None  # profile the whole step at start and save the model here
     sts: str | None = None
     fallback_confidence: float = 1.0
     time_limit_s: float = 300.0
@@ -234,7 +235,7 @@ def run_sweep(cfg: SweepConfig, log=print) -> tuple[list[dict], dict]:
     from dspark.drafters.options import DraftingOptions
     from dspark.drafters.registry import load_drafter
     from dspark.scheduler.adapter import make_policy, parse_policy
-    from dspark.scheduler.profile import load_or_profile
+    from dspark.generation.step_profile import load_or_profile_cost
     from dspark.scheduler.sts import load_sts_json
     from dspark.serving.engine import Engine, EngineConfig
     from dspark.serving.engine_stats import StepTimes
@@ -252,8 +253,8 @@ def run_sweep(cfg: SweepConfig, log=print) -> tuple[list[dict], dict]:
     drafter = load_drafter(cfg.drafter, target, DraftingOptions(block_size=cfg.block_size, head_top_m=cfg.head_top_m, draft_vocab=cfg.draft_vocab))
     sps = None
     if any(s.needs_sps_table for s in specs):
-        sps = load_or_profile(cfg.sps_table, target, max(drafter.block_size, 1), max(cfg.concurrency),
-                              drafter.target_layer_ids, log=log)
+        sps = load_or_profile_cost(cfg.sps_table, target, drafter, max(cfg.concurrency), cfg.profile_step_cost,
+                                   cfg.drafter, log=log)
         meta["sps_table"] = sps.to_dict()
     temps = load_sts_json(cfg.sts, drafter.block_size) if cfg.sts else None
     meta.update(torch=torch.__version__, torch_threads=torch.get_num_threads(), block_size=drafter.block_size)

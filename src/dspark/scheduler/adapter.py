@@ -13,9 +13,12 @@ Policy names (``--policy``):
 ``fixed:N``     verify at most N drafts per request; ``fixed:1`` is the
                 MTP-1-like baseline, ``fixed:0`` plain decoding
 ``threshold:T`` stop at the first per-step confidence below T (DeepSpec)
-``alg1``        Algorithm 1, greedy prefix scheduler on the SPS table
-``async``       §5.2 lagged-capacity top-K scheduler on the SPS table
+``alg1``        Algorithm 1, greedy prefix scheduler on the cost table
+``async``       §5.2 lagged-capacity top-K scheduler on the cost table
 ==============  ===========================================================
+
+The cost table is an ``SPSTable`` (the target's verify pass) or a ``StepCostModel`` (the whole
+engine step: drafting, verification, host work; ``dspark.scheduler.step_cost``).
 
 Drafters without a confidence head get the constant ``fallback_confidence``
 (see ``dspark.scheduler.confidence``).
@@ -36,6 +39,7 @@ from dspark.scheduler.policies import (
     VerifyPolicy,
 )
 from dspark.scheduler.sps import SPSTable
+from dspark.scheduler.step_cost import StepCostModel
 
 POLICY_HELP = "all | fixed:N | threshold:T | alg1 | async"
 
@@ -84,7 +88,7 @@ def parse_policy(name: str) -> PolicySpec:
     raise PolicyError(f"unknown policy {name!r}; use one of {POLICY_HELP}")
 
 
-def build_scheduler(spec: PolicySpec, sps_table: SPSTable | None = None) -> VerifyPolicy | None:
+def build_scheduler(spec: PolicySpec, sps_table: SPSTable | StepCostModel | None = None) -> VerifyPolicy | None:
     """The scheduler policy for ``spec``; None for ``all`` (speculative_step verifies everything).
 
     ``alg1`` / ``async`` without a table get ``SPSTable.flat()``, which admits every
@@ -104,7 +108,7 @@ def build_scheduler(spec: PolicySpec, sps_table: SPSTable | None = None) -> Veri
 
 def make_policy(
     name: str,
-    sps_table: SPSTable | None = None,
+    sps_table: SPSTable | StepCostModel | None = None,
     sts_temperatures: list[float] | None = None,
     fallback_confidence: float = 1.0,
 ) -> ConfidenceAdapter:

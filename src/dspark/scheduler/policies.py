@@ -32,6 +32,7 @@ import torch
 
 from dspark.errors import DSparkError
 from dspark.scheduler.sps import SPSTable
+from dspark.scheduler.step_cost import StepCostModel, as_step_cost
 
 
 class PolicyError(DSparkError):
@@ -138,15 +139,22 @@ def _admission_path(survival: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.nd
     return order % R, order // R, sorted_a
 
 
-def _theta_curve(sorted_a: np.ndarray, num_requests: int, sps_table: SPSTable) -> np.ndarray:
-    """Theta(b) = tau(b) * SPS(B(b)) after admitting the first b path entries, b = 0..M.
+def _theta_curve(sorted_a: np.ndarray, num_requests: int, cost: StepCostModel, num_drafting: int) -> np.ndarray:
+    """Theta(b) after admitting the first b path entries, b = 0..M: expected tokens per second of the step.
 
-    tau(b) = R + sum of the b admitted survivals, B(b) = R + b (§3.2.2).
+    tau(b) = R + sum of the b admitted survivals, B(b) = R + b (§3.2.2), and Theta(b) = tau(b) * 1000 /
+    (draft_ms(R_d) + verify_ms(B(b)) + host_ms(R)) (``dspark.scheduler.step_cost``); for a plain SPS
+    table (no draft or host cost) that is the paper's tau(b) * SPS(B(b)).
     """
     # summed in admission order from R, as Algorithm 1 accumulates tau* (lines 5, 8)
     tau = np.concatenate([[float(num_requests)], sorted_a]).cumsum()  # (M + 1,)
     batch_tokens = num_requests + np.arange(tau.size)  # (M + 1,)
-    return tau * sps_table.sps_array(batch_tokens)
+    return cost.throughput_array(tau, batch_tokens, num_requests, num_drafting)
+
+
+def _num_drafting(num_candidates: np.ndarray) -> int:
+    """R_d: requests that proposed at least one draft this step (they paid for drafting)."""
+    return int((num_candidates > 0).sum())
 
 
 def _lengths_from_path(
@@ -211,10 +219,15 @@ class StaticThreshold:
 
 @dataclass(frozen=True)
 class GreedyPrefixScheduler:
-    """Algorithm 1: greedy admission by survival with a causal early stop."""
+    """Algorithm 1: greedy admission by survival with a causal early stop.
 
-    sps_table: SPSTable
+    ``cost``: a ``StepCostModel`` (whole step) or an ``SPSTable`` (verify pass only: no draft or host cost)."""
+
+    cost: StepCostModel | SPSTable
     requires_confidences: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "cost", as_step_cost(self.cost))
 
     def choose(self, confidences: torch.Tensor | None, num_candidates: torch.Tensor) -> torch.Tensor:
         confidences, n = _check_confidences(confidences, num_candidates, "GreedyPrefixScheduler")
@@ -223,7 +236,7 @@ class GreedyPrefixScheduler:
         rows, positions, sorted_a = _admission_path(survival)  # line 4
         # Lines 5-6: l_r = 0, B = R, tau* = R, Theta_best = R * SPS(R). Lines 7-9 for
         # the b-th admission give Theta(b) = (R + sum_{i<=b} a_(i)) * SPS(R + b).
-        theta = _theta_curve(sorted_a, R, self.sps_table)  # (M + 1,)
+        theta = _theta_curve(sorted_a, R, self.cost, _num_drafting(n))  # (M + 1,)
         # Lines 10-13: keep admitting while Theta > Theta_best; break at the first
         # admission that does not raise it. Until then Theta_best = Theta(b - 1), so
         # the stop is the first b with Theta(b) <= Theta(b - 1). Whether (r, j) is
@@ -244,14 +257,17 @@ class RetrospectiveGlobalSearch:
     target's distribution. Kept only to demonstrate the bias; never serve it.
     """
 
-    sps_table: SPSTable
+    cost: StepCostModel | SPSTable
     requires_confidences: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "cost", as_step_cost(self.cost))
 
     def choose(self, confidences: torch.Tensor | None, num_candidates: torch.Tensor) -> torch.Tensor:
         confidences, n = _check_confidences(confidences, num_candidates, "RetrospectiveGlobalSearch")
         survival = _survival(confidences, n)
         rows, positions, sorted_a = _admission_path(survival)
-        theta = _theta_curve(sorted_a, confidences.shape[0], self.sps_table)
+        theta = _theta_curve(sorted_a, confidences.shape[0], self.cost, _num_drafting(n))
         count = int(np.argmax(theta))  # first maximum: fewest tokens among ties
         return _as_verify_len(_lengths_from_path(rows, positions, count, survival.shape), num_candidates)
 
@@ -261,8 +277,9 @@ class AsyncTopKScheduler:
     """§5.2: capacity from lagged survivals, then top-K current candidates.
 
     The capacity K (draft tokens verified this step, over all requests) is
-    K* = argmax_b (R + sum of the top-b survivals of ``lag`` steps ago) * SPS(R + b),
-    an unconstrained global search over the (jagged) SPS table. This step's
+    K* = argmax_b Theta(b) with tau(b) = R + the sum of the top-b survivals of ``lag`` steps ago, an
+    unconstrained global search over the (jagged) cost table (``_theta_curve``: the whole step's cost for a
+    ``StepCostModel``, tau(b) * SPS(R + b) for an ``SPSTable``). This step's
     candidates are then admitted by their current survival, best first, up to
     K* (ties: position, then request). K* never sees this step's drafts, and
     whether (r, j) ranks in the top K* depends only on other requests and
@@ -275,7 +292,7 @@ class AsyncTopKScheduler:
     a different set of requests (an approximation, as in the paper).
     """
 
-    sps_table: SPSTable
+    cost: StepCostModel | SPSTable
     lag: int = 2
     default_capacity: int | None = None
     requires_confidences: ClassVar[bool] = True
@@ -283,6 +300,7 @@ class AsyncTopKScheduler:
     _history: deque = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        self.cost = as_step_cost(self.cost)
         if self.lag < 1:
             raise ValueError(
                 f"AsyncTopKScheduler needs lag >= 1, got {self.lag} (lag 0 would size the batch "
@@ -296,20 +314,21 @@ class AsyncTopKScheduler:
         self._history.clear()
         self.last_capacity = None
 
-    def capacity(self, num_requests: int) -> int | None:
-        """K* for a step with ``num_requests`` requests, from the survivals ``lag`` steps ago.
-
-        None when there is no such step yet (the caller's default applies).
+    def capacity(self, num_requests: int, num_drafting: int | None = None) -> int | None:
+        """K* for a step with ``num_requests`` requests (``num_drafting`` of them drafting, default all), from
+        the survivals ``lag`` steps ago. None when there is no such step yet (the caller's default applies).
         """
         if len(self._history) < self.lag:
             return self.default_capacity
         lagged = self._history[0]  # (M',) sorted positive survivals of step t - lag
-        theta = _theta_curve(lagged, num_requests, self.sps_table)
+        drafting = num_requests if num_drafting is None else num_drafting
+        theta = _theta_curve(lagged, num_requests, self.cost, drafting)
         return int(np.argmax(theta))
 
     def choose(self, confidences: torch.Tensor | None, num_candidates: torch.Tensor) -> torch.Tensor:
         confidences, n = _check_confidences(confidences, num_candidates, "AsyncTopKScheduler")
-        capacity = self.capacity(confidences.shape[0])  # before this step's survivals are seen
+        # before this step's survivals are seen; R_d counts proposals, not their values
+        capacity = self.capacity(confidences.shape[0], _num_drafting(n))
         survival = _survival(confidences, n)
         rows, positions, sorted_a = _admission_path(survival)
         count = sorted_a.size if capacity is None else min(capacity, sorted_a.size)

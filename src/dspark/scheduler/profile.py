@@ -24,11 +24,11 @@ from dspark.scheduler.sps import SPSTable, profile_sps
 from dspark.target.model import TargetModel
 
 
-def _device(target: TargetModel) -> torch.device:
+def model_device(target: TargetModel) -> torch.device:
     return next(target.model.parameters()).device
 
 
-def _sync(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -70,7 +70,7 @@ def profile_target(
             f"context_len {context_len} + {longest} {'prefill' if prefill else 'verify'} tokens exceeds the model's "
             f"context of {target.max_context}; profile with a shorter --context-len"
         )
-    device = _device(target)
+    device = model_device(target)
     gen = torch.Generator().manual_seed(seed)
     V = target.vocab_size
     if prefill:
@@ -90,7 +90,7 @@ def profile_target(
         seq_lens = [window] * (num_requests - 1) + [batch_tokens - window * (num_requests - 1)]
         used = caches[:num_requests]
         target.forward(pool[:batch_tokens], seq_lens, used, capture_layers, logits_for="all")
-        _sync(device)
+        synchronize(device)
         for cache in used:
             cache.truncate(context_len)
 
@@ -100,7 +100,7 @@ def profile_target(
 def _profile_prefill(target: TargetModel, grid: list[int], context_len: int, repeats: int, warmup: int,
                      capture_layers: list[int] | None, gen: torch.Generator) -> SPSTable:
     """Prefill passes of one request: B new tokens after ``context_len`` cached ones, last-token logits."""
-    device = _device(target)
+    device = model_device(target)
     cache = target.new_cache(context_len + grid[-1] + 1)
     if context_len:
         ids = torch.randint(target.vocab_size, (context_len,), generator=gen).to(device)  # (context_len,)
@@ -109,7 +109,7 @@ def _profile_prefill(target: TargetModel, grid: list[int], context_len: int, rep
 
     def step(batch_tokens: int) -> None:
         target.forward(pool[:batch_tokens], [batch_tokens], [cache], capture_layers, logits_for="last")
-        _sync(device)
+        synchronize(device)
         cache.truncate(context_len)
 
     return profile_sps(step, grid, repeats=repeats, warmup=warmup)

@@ -31,8 +31,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    "(default: %(default)s)")
     p.add_argument("--block-size", type=int, default=None, help="draft tokens per step (default: the drafter's)")
     add_drafter_options(p)
-    p.add_argument("--sps-table", default=None,
-                   help="SGLang-format SPS JSON from `dspark profile`; without it alg1/async profile quickly at start")
+    p.add_argument("--sps-table", "--step-cost", dest="sps_table", default=None, metavar="FILE",
+                   help="what alg1/async plan on: a whole-step cost model (`dspark profile --step-cost`) or an "
+                   "SGLang-format SPS table (`dspark profile --out`, the verify pass alone); without it they "
+                   "profile the target's verify pass quickly at start")
+    p.add_argument("--profile-step-cost", default=None, metavar="FILE",
+                   help="profile the whole step (drafting with --drafter, verify pass, host work) at start, save the "
+                   "cost model to FILE and plan alg1/async on it (instead of --sps-table)")
     p.add_argument("--sts", default=None, help="STS JSON (per-position confidence temperatures)")
     p.add_argument("--threads", type=int, default=argparse.SUPPRESS,  # not None: `dspark --threads N serve` must keep N
                    help="torch CPU threads (default: torch's choice; 1 is often fastest on a busy shared CPU)")
@@ -116,7 +121,7 @@ def build_engine(args: argparse.Namespace):
     from dspark.drafters.registry import load_drafter
     from dspark.errors import ModelLoadError
     from dspark.scheduler.adapter import make_policy, parse_policy
-    from dspark.scheduler.profile import load_or_profile
+    from dspark.generation.step_profile import load_or_profile_cost
     from dspark.scheduler.sts import load_sts_json
     from dspark.serving.engine import Engine, EngineConfig
     from dspark.serving.memory import freeze_startup_objects
@@ -132,9 +137,9 @@ def build_engine(args: argparse.Namespace):
         raise ModelLoadError(f"{args.target} has no tokenizer; the server needs one to read prompts")
     drafter = load_drafter(args.drafter, target, drafting_options(args))
     sps = None
-    if parse_policy(args.policy).needs_sps_table:
-        sps = load_or_profile(args.sps_table, target, max(drafter.block_size, 1), args.max_batch,
-                              drafter.target_layer_ids)
+    if parse_policy(args.policy).needs_sps_table or args.profile_step_cost:
+        sps = load_or_profile_cost(args.sps_table, target, drafter, args.max_batch, args.profile_step_cost,
+                                   args.drafter)
     temps = load_sts_json(args.sts, drafter.block_size) if args.sts else None
     policy = make_policy(args.policy, sps, temps, args.fallback_confidence)
     engine = Engine(target, drafter, policy, EngineConfig(max_batch=args.max_batch, max_queue=args.max_queue,
