@@ -85,3 +85,82 @@ def test_profile_cli_writes_sglang_json_and_engine_uses_it(tmp_path):
     assert quick.sample_batch_tokens == (4, 8)
     with Engine(target, None, make_policy("alg1", quick)) as engine:
         assert engine.generate([3, 4, 5], SamplingParams(0.0, max_new_tokens=4), timeout=30)
+
+
+# ------------------------------------------------------------ whole-step cost model
+def _spy_verify_passes(target):
+    """Record (seq_lens, cache lengths) of every verify pass (logits for all positions)."""
+    calls = []
+    forward = target.forward
+
+    def spy(ids, seq_lens, caches, *args, **kwargs):
+        if kwargs.get("logits_for") == "all":
+            calls.append((list(seq_lens), [c.length for c in caches]))
+        return forward(ids, seq_lens, caches, *args, **kwargs)
+
+    target.forward = spy
+    return calls
+
+
+@pytest.mark.parametrize("kind", ["prompt-lookup", "dspark"])
+def test_step_cost_profile_times_real_steps_that_verify_every_draft(kind):
+    from dspark.drafters.dspark.drafter import DSparkDrafter
+    from dspark.drafters.prompt_lookup import PromptLookupDrafter
+    from dspark.generation.step_profile import profile_step_cost
+    from tests.drafters.tiny_drafters import tiny_dspark
+
+    target = tiny_target()
+    drafter = PromptLookupDrafter(target.vocab_size, 3) if kind == "prompt-lookup" else DSparkDrafter(tiny_dspark(target))
+    calls = _spy_verify_passes(target)
+    model = profile_step_cost(target, drafter, 3, max_requests=3, context_len=20, repeats=2, warmup=1)
+    assert model.verify.grid == (4, 8, 12) and model.max_batch_tokens == 12
+    assert model.draft.grid == model.host.grid == (1, 2, 3)
+    assert all(t >= 0 for t in model.draft.ms + model.host.ms) and not model.draft.is_zero
+    assert model.profile == {"threads": model.profile["threads"], "dtype": "float32", "device": "cpu",
+                             "block_size": 3, "context_len": 20, "repeats": 2, "target": "tiny",
+                             "source": "dspark profile"}
+    steps = calls[-9:]  # the engine steps: R = 1, 2, 3, each 1 warm-up + 2 timed
+    assert [len(lens) for lens, _ in steps] == [1] * 3 + [2] * 3 + [3] * 3
+    # every step drafts and verifies gamma tokens per request, from the same rolled-back context
+    assert all(lens == [4] * len(lens) and starts == [20] * len(starts) for lens, starts in steps)
+
+
+def test_step_cost_profile_without_drafter_is_plain_decoding():
+    from dspark.generation.step_profile import profile_step_cost
+
+    target = tiny_target()
+    calls = _spy_verify_passes(target)
+    model = profile_step_cost(target, None, 3, max_requests=2, context_len=8, repeats=1, warmup=0)
+    assert [lens for lens, _ in calls[-2:]] == [[1], [1, 1]]  # nothing drafted: the anchors alone
+    assert model.verify.grid == (4, 8)
+
+
+def test_profile_cli_writes_the_step_cost_model_and_serving_plans_on_it(tmp_path, capsys):
+    from dspark.generation.step_profile import load_or_profile_cost
+    from dspark.scheduler.step_cost import StepCostModel
+
+    folder = save_hf_folder(tmp_path / "tiny", tiny_config())
+    sps, cost = tmp_path / "sps.json", tmp_path / "step_cost.json"
+    rc = main(["profile", "--target", str(folder), "--drafter", "prompt-lookup", "--block-size", "3",
+               "--max-requests", "2", "--context-len", "8", "--repeats", "1", "--out", str(sps),
+               "--step-cost", str(cost)])
+    assert rc == 0
+    table, model = SPSTable.load(sps), StepCostModel.load(cost)
+    assert model.to_sps_table() == table  # one verify measurement feeds both files
+    assert model.profile["drafter"] == "prompt-lookup" and model.profile["block_size"] == 3
+    assert model.draft.grid == (1, 2)
+    assert main(["profile", "--target", str(folder), "--prefill", "--step-cost", str(cost)]) != 0
+    assert "--prefill" in capsys.readouterr().err
+
+    from dspark.drafters.prompt_lookup import PromptLookupDrafter
+
+    target = tiny_target()
+    drafter = PromptLookupDrafter(target.vocab_size, 3)
+    assert load_or_profile_cost(cost, target, drafter, 2) == model  # --sps-table FILE: either format
+    assert load_or_profile_cost(sps, target, drafter, 2) == StepCostModel.from_sps_table(table)
+    saved = tmp_path / "at_start.json"
+    at_start = load_or_profile_cost(None, target, drafter, 2, profile_to=saved, context_len=8, repeats=1,
+                                    log=lambda *_: None)  # --profile-step-cost FILE
+    assert StepCostModel.load(saved) == at_start and at_start.draft.grid == (1, 2)
+    with Engine(target, drafter, make_policy("alg1", at_start)) as engine:
+        assert engine.generate([3, 4, 5, 3, 4, 5], SamplingParams(0.0, max_new_tokens=6), timeout=30)

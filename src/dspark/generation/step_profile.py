@@ -115,6 +115,9 @@ def _profile_requests(target: TargetModel, drafter: Drafter, gamma: int, count: 
     chunk = max(1, 4096 // context_len)
     for start in range(0, count, chunk):
         prefill(target, states[start : start + chunk], caches[start : start + chunk], drafter.target_layer_ids)
+    for state in states:  # the anchor (not yet fed to the target) continues the pattern: prompt lookup matches
+        segment_len = min(16, context_len)
+        state.tokens[-1] = state.tokens[context_len - segment_len]
     return states, caches
 
 
