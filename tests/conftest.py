@@ -21,6 +21,8 @@ HEAVY = {  # node id or test file -> what makes it slow
     "tests/modeling/test_compile_dtype.py::test_compiled_decoder_matches_eager_logits_and_greedy_output":
         "torch.compile (inductor)",
     "tests/data/test_label.py::test_offline_sources_give_disjoint_well_formed_records": "reads every offline source",
+    "tests/serving/test_kv_admission.py::test_64_concurrent_2k_context_requests_are_admitted_or_queued":
+        "prefills 64 prompts of 2,048 tokens",
 }
 IN_CI = os.environ.get("CI", "").lower() == "true"
 

@@ -22,6 +22,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from dspark.errors import ModelLoadError
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
@@ -71,6 +73,11 @@ class DecoderSpec:
     @property
     def scale(self) -> float:
         return self.attn_scale if self.attn_scale is not None else self.head_dim**-0.5
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """Bytes the KV cache holds per position of one request: keys and values of every layer,
+        2 x layers x KV heads x head dim x bytes per element (``KVPool.bytes_per_token`` of its pool)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.empty((), dtype=dtype).element_size()
 
     def rope_for(self, layer_idx: int) -> RopeSpec:
         return self.rope[self.layer_types[layer_idx]]

@@ -140,6 +140,7 @@ def build_engine(args: argparse.Namespace):
     if parse_policy(args.policy).needs_sps_table or args.profile_step_cost:
         sps = load_or_profile_cost(args.sps_table, target, drafter, args.max_batch, args.profile_step_cost,
                                    args.drafter)
+        print(f"[dspark] alg1/async plan on {describe_cost(sps)}", file=sys.stderr)
     temps = load_sts_json(args.sts, drafter.block_size) if args.sts else None
     policy = make_policy(args.policy, sps, temps, args.fallback_confidence)
     engine = Engine(target, drafter, policy, EngineConfig(max_batch=args.max_batch, max_queue=args.max_queue,
@@ -190,6 +191,7 @@ def _serve(args: argparse.Namespace) -> int:
                           sampling_defaults=SamplingDefaults.from_folder(source))
     app = create_app(engine, tokenizer, config)
     freeze_startup_objects()
+    print(kv_cache_line(target.kv_bytes_per_token, args.max_batch, target.max_context), file=sys.stderr)
     policy = engine.policy.name if hasattr(engine, "policy") and engine.policy is not None else args.policy
     print(f"[dspark] serving {config.model_name} with drafter {args.drafter}, policy {policy} on "
           f"http://{args.host}:{args.port}/v1{' (API key required)' if api_key else ''}"
@@ -207,6 +209,28 @@ def _serve(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def describe_cost(cost) -> str:
+    """What a cost table times, in words (the start-up log)."""
+    from dspark.scheduler.step_cost import as_step_cost
+
+    model = as_step_cost(cost)
+    if model.verify_only:
+        return f"the target's verify pass alone (an SPS table, up to {model.max_batch_tokens} batch tokens)"
+    drafter = model.profile.get("drafter") or "the drafter"
+    return (f"the whole step: drafting ({drafter}, 1..{model.draft.grid[-1]} requests), the verify pass (up to "
+            f"{model.max_batch_tokens} batch tokens) and host work")
+
+
+def kv_cache_line(bytes_per_token: int, max_batch: int, max_context: int) -> str:
+    """The start-up line that states the KV cache's size: per token, and the most it can reach."""
+    from dspark.serving.engine import kv_cache_bound
+
+    bound = kv_cache_bound(bytes_per_token, max_batch, max_context)
+    return (f"[dspark] KV cache: {bytes_per_token:,} bytes per token of a request (2 x layers x KV heads x head dim "
+            f"x dtype bytes); at most {bound / 2**30:.2f} GiB with --max-batch {max_batch} at the model's context of "
+            f"{max_context:,} (requests beyond --max-batch wait in the queue, beyond --max-queue get 429)")
 
 
 def default_max_prompt_tokens(given: int | None, target) -> int | None:

@@ -50,7 +50,7 @@ from dspark.drafters.base import Drafter, NoDrafter, RequestState
 from dspark.errors import DSparkError, PromptError
 from dspark.generation.stats import AcceptanceStats
 from dspark.generation.step import prefill, speculative_step
-from dspark.modeling.kv_cache import KVCache
+from dspark.modeling.kv_cache import BLOCK, KVCache
 from dspark.sampling.processing import SamplingParams
 from dspark.scheduler.confidence import ConfidenceAdapter
 from dspark.scheduler.policies import VerifyPolicy
@@ -61,6 +61,17 @@ log = logging.getLogger("dspark.serving")
 
 #: initial KV-cache room for generated tokens; caches grow by doubling beyond it
 _INITIAL_GEN_CAPACITY = 256
+
+
+def kv_cache_bound(bytes_per_token: int, max_batch: int, max_context: int) -> int:
+    """The most bytes the target's KV pool can reach under an engine with ``max_batch`` slots.
+
+    The pool (``dspark.modeling.kv_cache.KVPool``) gives every slot the same capacity: slots double from one
+    when all are taken, so at most the next power of two >= ``max_batch``; capacity doubles up to the model's
+    context, rounded up to whole key blocks. Bytes = slots x capacity x ``bytes_per_token``.
+    """
+    slots = 1 << max(max_batch - 1, 0).bit_length()
+    return slots * (-(-max_context // BLOCK) * BLOCK) * bytes_per_token
 
 
 class QueueFullError(DSparkError):

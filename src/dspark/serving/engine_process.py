@@ -74,6 +74,7 @@ class TargetInfo:
     max_context: int
     eos_token_ids: tuple[int, ...]
     device_name: str  # "cpu", "cuda:0", ...
+    kv_bytes_per_token: int = 0  # KV cache bytes per position of one request
 
     check_prompt = TargetModel.check_prompt  # the same checks, on the same two numbers
 
@@ -84,7 +85,7 @@ class TargetInfo:
     @classmethod
     def of(cls, target: TargetModel) -> "TargetInfo":
         return cls(target.name, target.path, target.vocab_size, target.max_context, tuple(target.eos_token_ids),
-                   str(target.device))
+                   str(target.device), target.kv_bytes_per_token)
 
 
 # =============================================================== the HTTP side

@@ -80,6 +80,11 @@ class TargetModel:
         return self.model.lm_head.weight.device
 
     @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of KV cache per position of one request, from the model config and dtype (``DecoderSpec``)."""
+        return self.spec.kv_bytes_per_token(self.model.lm_head.weight.dtype)
+
+    @property
     def hidden_size(self) -> int:
         return self.spec.hidden_size
 
