@@ -22,6 +22,7 @@ from dspark.data.tokenized import FORMAT_VERSION, TokenizedDataset
 from dspark.drafters.draft_vocab import load_draft_vocab
 from dspark.errors import DSparkError
 from dspark.scheduler.sps import SPSTable
+from dspark.scheduler.step_cost import StepCostModel
 from dspark.scheduler.sts import load_sts_json
 from dspark.training.checkpoints import load_training_state
 from dspark.training.config import load_config
@@ -45,6 +46,10 @@ SPS_OK = {"sample_batch_tokens": [1, 8, 16], "sample_steps_per_sec": [50.0, 40.0
 VOCAB_OK = {"format": "dspark-draft-vocab", "version": 1, "vocab_size": 96, "size": 3, "coverage": 0.5,
             "source": "x", "token_ids": [5, 2, 9]}
 CONFIG_OK = {"drafter": "dspark", "lr": 1e-3, "max_steps": 2, "model": {"block_size": 4}}
+COST_OK = {"format": "dspark-step-cost", "version": 1, "units": "ms",
+           "verify": {"batch_tokens": [8, 16], "ms": [20.0, 25.0], "max_batch_tokens": 16},
+           "draft": {"requests": [1, 2], "ms": [1.0, 1.5]}, "host": {"requests": [1, 2], "ms": [0.5, 0.9]},
+           "profile": {"threads": 1}}
 
 
 def text_variants(ok: dict) -> dict[str, str]:
@@ -65,8 +70,9 @@ LOADERS = {
     "sps": SPSTable.load,
     "vocab": lambda path: load_draft_vocab(path, 96),
     "config": lambda path: load_config(str(path)),
+    "cost": StepCostModel.load,
 }
-OK = {"sts": STS_OK, "sps": SPS_OK, "vocab": VOCAB_OK, "config": CONFIG_OK}
+OK = {"sts": STS_OK, "sps": SPS_OK, "vocab": VOCAB_OK, "config": CONFIG_OK, "cost": COST_OK}
 CASES = [  # (file kind, variant, content, what the message says)
     ("sts", "wrong count", edit(STS_OK, temperatures=[1.0, 2.0]), "has 2 temperatures"),
     ("sts", "negative", edit(STS_OK, temperatures=[1.0, -2.0, 0.5]), "> 0"),
@@ -83,6 +89,10 @@ CASES = [  # (file kind, variant, content, what the message says)
     ("config", "unknown key", edit(CONFIG_OK, learning_rate=1.0), "unknown training config key"),
     ("config", "wrong type", edit(CONFIG_OK, max_steps="ten"), "wrong type"),
     ("config", "bad model", edit(CONFIG_OK, model={"block_size": -1}), "block_size must be >= 1"),
+    ("cost", "newer version", edit(COST_OK, version=2), "version 2"),
+    ("cost", "negative host", edit(COST_OK, host={"requests": [1], "ms": [-1.0]}), ">= 0"),
+    ("cost", "unknown key", edit(COST_OK, gpu="h100"), "unknown ['gpu']"),
+    ("cost", "bad sps table", json.dumps(SPS_OK | {"sample_batch_tokens": [1, 16, 8]}), "strictly increasing"),
 ] + [(kind, variant, text, "") for kind in LOADERS for variant, text in text_variants(OK[kind]).items()]
 
 

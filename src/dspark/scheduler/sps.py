@@ -138,8 +138,9 @@ class SPSTable:
             raise ValueError(f"SPS table JSON must be an object, got {type(data).__name__}")
         if _ADDITIVE_KEYS & data.keys():
             raise ValueError(
-                "this is SGLang's additive cost-table format (bias_seconds/bs_probes/...), which "
-                "is not supported; profile a floor-step table with `dspark profile`"
+                "this is SGLang's additive cost-table format (bias_seconds/bs_probes/...), not an SPS table; "
+                "`dspark serve --sps-table` reads it as a step-cost model (dspark.scheduler.step_cost), or "
+                "profile a floor-step table with `dspark profile`"
             )
         missing = [k for k in _JSON_KEYS if k not in data]
         unknown = sorted(set(data) - set(_JSON_KEYS))

@@ -31,7 +31,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    "(default: %(default)s)")
     p.add_argument("--block-size", type=int, default=None, help="draft tokens per step (default: the drafter's)")
     add_drafter_options(p)
-    p.add_argument("--sps-table", "--step-cost", dest="sps_table", default=None, metavar="FILE",
+    p.add_argument("--sps-table", default=None, metavar="FILE",
                    help="what alg1/async plan on: a whole-step cost model (`dspark profile --step-cost`) or an "
                    "SGLang-format SPS table (`dspark profile --out`, the verify pass alone); without it they "
                    "profile the target's verify pass quickly at start")
@@ -228,8 +228,9 @@ def kv_cache_line(bytes_per_token: int, max_batch: int, max_context: int) -> str
     from dspark.serving.engine import kv_cache_bound
 
     bound = kv_cache_bound(bytes_per_token, max_batch, max_context)
+    size = f"{bound / 2**30:.2f} GiB" if bound >= 2**30 else f"{bound / 2**20:.1f} MiB"
     return (f"[dspark] KV cache: {bytes_per_token:,} bytes per token of a request (2 x layers x KV heads x head dim "
-            f"x dtype bytes); at most {bound / 2**30:.2f} GiB with --max-batch {max_batch} at the model's context of "
+            f"x dtype bytes); at most {size} with --max-batch {max_batch} at the model's context of "
             f"{max_context:,} (requests beyond --max-batch wait in the queue, beyond --max-queue get 429)")
 
 
