@@ -115,7 +115,7 @@ class StepCostModel:
     max_batch_tokens: int  # the most batch tokens one step may run
     draft: CostCurve = field(default_factory=CostCurve.zero)  # drafting requests R_d -> ms
     host: CostCurve = field(default_factory=CostCurve.zero)  # requests R -> ms of the rest of the step
-    profile: dict = field(default_factory=dict, compare=False)  # what was measured (PROFILE_KEYS)
+    profile: dict = field(default_factory=dict, compare=False, hash=False)  # what was measured (PROFILE_KEYS)
 
     def __post_init__(self) -> None:
         if not self.verify.positive:
