@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 
 import pytest
@@ -164,3 +165,31 @@ def test_profile_cli_writes_the_step_cost_model_and_serving_plans_on_it(tmp_path
     assert StepCostModel.load(saved) == at_start and at_start.draft.grid == (1, 2)
     with Engine(target, drafter, make_policy("alg1", at_start)) as engine:
         assert engine.generate([3, 4, 5, 3, 4, 5], SamplingParams(0.0, max_new_tokens=6), timeout=30)
+
+
+def test_serve_profiles_the_whole_step_at_start_when_asked(tmp_path, capsys):
+    from dspark.cli import build_parser
+    from dspark.scheduler.step_cost import StepCostModel
+    from dspark.serving.cli import build_engine
+    from tests.tiny import save_chat_target
+
+    folder, _ = save_chat_target(tmp_path / "chat")
+    saved = tmp_path / "runs" / "step_cost.json"
+    saved.parent.mkdir()
+    args = build_parser().parse_args(["serve", "--target", str(folder), "--dtype", "float32", "--drafter",
+                                      "prompt-lookup", "--block-size", "3", "--policy", "alg1", "--max-batch", "2",
+                                      "--no-malloc-tuning", "--profile-step-cost", str(saved)])
+    try:
+        engine = build_engine(args)
+    finally:
+        gc.unfreeze()  # build_engine freezes the start-up heap (serving.memory); not this test process's
+    model = StepCostModel.load(saved)
+    assert engine.policy.policy.cost == model and not model.verify_only
+    assert model.draft.grid == (1, 2) and model.profile["drafter"] == "prompt-lookup"
+    assert "plan on the whole step" in capsys.readouterr().err
+    # --sps-table reads the saved model back; an SPS table still loads, as a verify-only model
+    args.profile_step_cost, args.sps_table = None, str(saved)
+    try:
+        assert build_engine(args).policy.policy.cost == model
+    finally:
+        gc.unfreeze()
