@@ -1,4 +1,4 @@
-"""SPS profiling of a real (tiny) target and `dspark profile`."""
+"""SPS profiling and the whole-step cost model of a real (tiny) target: `dspark profile`, serving's start-up profile."""
 
 from __future__ import annotations
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from dspark.drafters.base import Drafter, NoDrafter, RequestState
+from dspark.errors import DSparkError
 from dspark.generation.step import prefill, speculative_step
 from dspark.modeling.kv_cache import KVCache
 from dspark.sampling.processing import SamplingParams
@@ -150,7 +151,8 @@ def load_or_profile_cost(
     saved there. Else the quick target-only SPS profile of ``load_or_profile``.
     """
     if path is not None and profile_to is not None:
-        raise ValueError("give a cost table to load or a file to profile one into, not both")
+        raise DSparkError("give a cost table to load (--sps-table) or a file to profile one into "
+                          "(--profile-step-cost), not both")
     if path is not None:
         return StepCostModel.load(path)
     block = max(drafter.block_size, 1)

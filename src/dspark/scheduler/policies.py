@@ -234,8 +234,9 @@ class GreedyPrefixScheduler:
         R = confidences.shape[0]
         survival = _survival(confidences, n)  # Algorithm 1, lines 1-3
         rows, positions, sorted_a = _admission_path(survival)  # line 4
-        # Lines 5-6: l_r = 0, B = R, tau* = R, Theta_best = R * SPS(R). Lines 7-9 for
-        # the b-th admission give Theta(b) = (R + sum_{i<=b} a_(i)) * SPS(R + b).
+        # Lines 5-6: l_r = 0, B = R, tau* = R, Theta_best = Theta(0). Lines 7-9 for the b-th
+        # admission give Theta(b) = (R + sum_{i<=b} a_(i)) / step cost at B = R + b, which is
+        # (R + sum_{i<=b} a_(i)) * SPS(R + b) on a plain SPS table (``_theta_curve``).
         theta = _theta_curve(sorted_a, R, self.cost, _num_drafting(n))  # (M + 1,)
         # Lines 10-13: keep admitting while Theta > Theta_best; break at the first
         # admission that does not raise it. Until then Theta_best = Theta(b - 1), so

@@ -169,6 +169,9 @@ def _serve(args: argparse.Namespace) -> int:
     if args.generation_config not in ("auto", "vllm") and not os.path.isdir(args.generation_config):
         raise DSparkError(f"--generation-config {args.generation_config!r} is not auto, vllm or a folder")
     parse_policy(args.policy)  # a bad --policy fails here, before any model is loaded
+    if args.sps_table and args.profile_step_cost:
+        raise DSparkError("give --sps-table (a cost table to load) or --profile-step-cost (a file to profile one "
+                          "into), not both")
     if args.engine_process:
         from dspark.serving.engine_process import EngineProcess
         from dspark.target.model import load_tokenizer
