@@ -44,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--max-tokens", type=int, required=True)
     w.add_argument("--command", required=True)
     w.add_argument("--full-command", required=True)
+    w.add_argument("--cpus", default="", help="the cores every server was confined to (CPUS), if any")
     w.add_argument("--smoke", action="store_true", help="parameters below the full run's: label it so")
     args = ap.parse_args(argv)
     if args.what == "note":
@@ -53,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
         print(speculative_config(sys.stdin.read()))
     else:
         config = {"model": args.model, "concurrency": args.concurrency, "num_requests": args.num_requests,
-                  "max_tokens": args.max_tokens, "temperature": 0.0, "cpu_count": os.cpu_count()}
+                  "max_tokens": args.max_tokens, "temperature": 0.0, "cpu_count": os.cpu_count(),
+                  "cpus": args.cpus}
         for path in write_peers(args.work, args.out_dir, config, args.command, args.full_command, args.smoke):
             print(f"wrote {path}")
     return 0

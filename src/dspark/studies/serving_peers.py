@@ -106,8 +106,11 @@ def peers_markdown(rows: list[dict], config: dict, command: str, full_command: s
         "requests of completion tokens / latency; tau = tokens committed per request-step, bonus included "
         "(dspark: every request-step, from its `/metrics`; vLLM: the request-steps that verified drafts, from its "
         "`spec_decode` counters; none for vLLM plain). Ratios are against the "
-        f"`{BASELINE}` row at the same number of clients. {cpus} CPUs; the 1-minute load average when each row "
-        "started and ended is in the last column.", ""]
+        f"`{BASELINE}` row at the same number of clients. {cpus} CPUs; "
+        + (f"every server confined to core(s) {config['cpus']} (taskset, and vLLM's worker bound there by "
+           "`VLLM_CPU_OMP_THREADS_BIND`)" if config.get("cpus") else
+           "each engine placed on them as it chooses (vLLM binds its worker to one core and reserves the other)")
+        + "; the 1-minute load average when each row started and ended is in the last column.", ""]
     add_ratios(rows)
     table = []
     for r in rows:
