@@ -15,7 +15,9 @@
 # One server at a time on 127.0.0.1:PORT: started, /health answered, one warm-up request, then the same
 # `dspark bench serve --url ... --temperature 0` load, then stopped (its whole process group). Both engines serve
 # MODEL in bfloat16; vLLM with --enforce-eager (VLLM_EAGER=0 drops it: minutes of compilation at start), dspark
-# with --threads THREADS; both admit max(CONCURRENCY) requests at once. Each row's load average (1 minute) is
+# with --threads THREADS; both admit max(CONCURRENCY) requests at once. CPUS=LIST (e.g. CPUS=1) confines every
+# server, all its processes, to those cores (taskset; vLLM's worker bound there by VLLM_CPU_OMP_THREADS_BIND);
+# without it each engine places itself (vLLM binds its worker to one core and reserves the other). Each row's load average (1 minute) is
 # taken when it starts and ends. Raw results go to WORK/<row>/ and WORK/rows.jsonl, the page to OUT.
 #
 # vLLM's CPU build lives in its own venv, VLLM_VENV (default .venv-vllm); when it has no python, it is made:
@@ -41,6 +43,7 @@ ROWS=${ROWS:-all}
 THREADS=${THREADS:-1}
 PORT=${PORT:-8021}
 WAIT_S=${WAIT_S:-900}
+CPUS=${CPUS:-}
 VLLM_EAGER=${VLLM_EAGER:-1}
 WORK=${WORK:-runs/peers}
 OUT=${OUT:-docs/serving}
@@ -56,8 +59,8 @@ for kv in "${DEFAULTS[@]}"; do
   [ "$k" = ROWS ] && [ "$v" = "$DEFAULT_ROWS" ] && v=all
   if [ "$v" != "$full" ]; then COMMAND="$k=$v $COMMAND"; SMOKE=(--smoke); fi
 done
-for k in EAGLE3 VLLM_EAGER THREADS; do  # the choices that change what a row measures
-  case "$k=${!k}" in EAGLE3=|VLLM_EAGER=1|THREADS=1) ;; *) COMMAND="$k=${!k} $COMMAND" ;; esac
+for k in EAGLE3 VLLM_EAGER THREADS CPUS; do  # the choices that change what a row measures
+  case "$k=${!k}" in EAGLE3=|VLLM_EAGER=1|THREADS=1|CPUS=) ;; *) COMMAND="$k=${!k} $COMMAND" ;; esac
 done
 
 for row in ${ROWS//,/ }; do
@@ -87,17 +90,20 @@ stop_server() {  # the whole process group: vLLM's engine core and worker, dspar
   server=
 }
 trap stop_server EXIT
+trap 'exit 143' INT TERM  # so that the EXIT trap stops the server
 
 vllm_argv() {
   ARGV=("$VLLM_VENV/bin/python" -m vllm.entrypoints.openai.api_server --model "$MODEL" --served-model-name smollm2-135m
         --dtype bfloat16 --seed 0 --max-model-len 4096 --max-num-seqs "$MAXC" --host 127.0.0.1 --port "$PORT" "$@")
   [ "$VLLM_EAGER" = 1 ] && ARGV+=(--enforce-eager)
+  [ -n "$CPUS" ] && ARGV=(taskset -c "$CPUS" "${ARGV[@]}")
   ENGINE=vllm
 }
 dspark_argv() {
   ARGV=("$PY" -m dspark.cli --threads "$THREADS" serve --target "$MODEL" --served-model-name smollm2-135m
         --dtype bfloat16 --max-batch "$MAXC" --max-queue "$((4 * MAXC))" --host 127.0.0.1 --port "$PORT"
         --log-level warning "$@")
+  [ -n "$CPUS" ] && ARGV=(taskset -c "$CPUS" "${ARGV[@]}")
   ENGINE=dspark
 }
 dspark_drafter() {  # the DSpark drafter with its STS temperatures (and an SPS table when given)
@@ -149,6 +155,7 @@ for row in ${ROWS//,/ }; do
   echo "[$row] $(shown "${ARGV[@]}")"
   launch=(env VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-2}")  # vLLM's KV cache, GiB
   [ "$ENGINE" = dspark ] && launch+=(PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}")  # this tree's package
+  [ "$ENGINE" = vllm ] && [ -n "$CPUS" ] && launch+=(VLLM_CPU_OMP_THREADS_BIND="$CPUS")
   "${launch[@]}" setsid "${ARGV[@]}" > "$WORK/$row/server.log" 2>&1 &
   server=$!
   why=
@@ -177,5 +184,5 @@ for row in ${ROWS//,/ }; do
 done
 
 "${REPORT[@]}" write --work "$WORK" --out-dir "$OUT" --model "${MODEL//$HOME/\~}" --concurrency "$CONCURRENCY" \
-  --num-requests "$NUM_REQUESTS" --max-tokens "$MAX_TOKENS" --command "$COMMAND" \
+  --num-requests "$NUM_REQUESTS" --max-tokens "$MAX_TOKENS" --cpus "$CPUS" --command "$COMMAND" \
   --full-command "bash scripts/serving_peers.sh" "${SMOKE[@]}"
