@@ -141,7 +141,15 @@ row_setup() {
 }
 
 load1() { cut -d' ' -f1 /proc/loadavg; }
-shown() { local out= a; for a in "$@"; do out+="${out:+ }$(printf '%q' "$a")"; done; echo "${out//$HOME/\~}"; }
+shown() {  # a command line to read and paste: ~ for $HOME, single quotes around what the shell would split
+  local out= a
+  for a in "$@"; do
+    a=${a/#$HOME\//\~/}
+    [[ $a =~ ^[A-Za-z0-9_./:=,~+@%-]+$ ]] || a="'${a//\'/\'\\\'\'}'"
+    out+="${out:+ }$a"
+  done
+  echo "$out"
+}
 
 for row in ${ROWS//,/ }; do
   row_setup "$row"
