@@ -122,7 +122,7 @@ def run_vllm(python: str, target_dir: str, prompts: list[list[int]], max_new: in
     (work / "vllm-in.json").write_text(json.dumps(spec))
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # the engine in this process: one vLLM import, not three
-    subprocess.run([python, str(ROOT / "bench" / "interop_vllm_engine.py"), str(work / "vllm-in.json"),
+    subprocess.run([python, str(ROOT / "scripts" / "interop_vllm_engine.py"), str(work / "vllm-in.json"),
                     str(work / "vllm-out.json")], check=True, env=env)
     return json.loads((work / "vllm-out.json").read_text())
 

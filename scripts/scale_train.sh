@@ -15,6 +15,7 @@
 #   PROCS=2 bash scripts/scale_train.sh all      # each drafter on both cores in turn
 #   bash scripts/scale_train.sh depth2-3500      # the depth ablation: DSpark with 2 draft layers (dspark2-3500)
 #   bash scripts/scale_train.sh layer-target-330 # DSpark with the target family's draft layer (dsparktl-330)
+#   bash scripts/scale_train.sh regen            # DSpark and DFlash on the on-policy slices (dspark-regen, dflash-regen)
 set -euo pipefail
 DSPARK=${DSPARK:-.venv/bin/dspark}
 R=${R:-runs/scale}
@@ -29,6 +30,7 @@ caches_for() {  # the slices that hold the first N sequences
   case "$1" in
     330|1000) echo "[\"$R/features-A\"]" ;;
     3500) echo "[\"$R/features-A\", \"$R/features-B\"]" ;;
+    regen) cut -f1 "$R/regen-slices.tsv" | sed "s|.*|\"$R/features-&\"|" | paste -sd, | sed 's/.*/[&]/' ;;
     *) echo "[\"$R/features-A\", \"$R/features-B\", \"$R/features-C\"]" ;;
   esac
 }
@@ -72,12 +74,19 @@ for p in "${points[@]}"; do
     continue
   fi
   caches=$(caches_for "$p")
-  if [ "$PROCS" -gt 1 ]; then
-    train "dspark-$p" smollm2-dspark-markov "$caches" "$p" --set model.draft_layer=qwen3
-    train "dflash-$p" smollm2-dflash "$caches" "$p" --set model.draft_layer=qwen3
+  if [ "$p" = regen ]; then  # the target's own answers (scripts/scale_regen_features.sh): every slice, all of it
+    set -- --set "data=[]"  # the draft vocabulary is counted over the caches
+    p_n=all
   else
-    train "dspark-$p" smollm2-dspark-markov "$caches" "$p" --set model.draft_layer=qwen3 &
-    train "dflash-$p" smollm2-dflash "$caches" "$p" --set model.draft_layer=qwen3 &
+    set --
+    p_n=$p
+  fi
+  if [ "$PROCS" -gt 1 ]; then
+    train "dspark-$p" smollm2-dspark-markov "$caches" "$p_n" --set model.draft_layer=qwen3 "$@"
+    train "dflash-$p" smollm2-dflash "$caches" "$p_n" --set model.draft_layer=qwen3 "$@"
+  else
+    train "dspark-$p" smollm2-dspark-markov "$caches" "$p_n" --set model.draft_layer=qwen3 "$@" &
+    train "dflash-$p" smollm2-dflash "$caches" "$p_n" --set model.draft_layer=qwen3 "$@" &
     wait
   fi
 done

@@ -1,0 +1,110 @@
+"""docs/serving/peers.md's maths and format (scripts/serving_peers.sh's last step) from fabricated rows: a
+formatter test, not a result."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dspark.studies.serving_peers import note_row, read_rows, speculative_config, write_peers
+
+CONFIG = {"model": "~/.cache/dspark/models/smollm2-135m", "concurrency": "1,4", "num_requests": 8,
+          "max_tokens": 32, "temperature": 0.0, "cpu_count": 2}
+
+
+def _point(c: int, total: float, user: float, tau: float | None = None, requests: int = 8) -> dict:
+    return {"policy": "server", "concurrency": c, "requests": requests, "errors": 0, "total_tokens_per_s": total,
+            "user_tokens_per_s": user, "acceptance_length": tau, "avg_verify_len": None}
+
+
+def _measured(work, name: str, engine: str, points: list[dict], load: float = 0.1) -> None:
+    (work / name).mkdir(parents=True)
+    (work / name / "serve_load.json").write_text(json.dumps({"rows": points[::-1]}))  # order must not matter
+    note_row(work, {"name": name, "engine": engine, "method": "m", "status": "measured",
+                    "command": f"serve {name}", "ready_s": 12.3, "load_before": load, "load_after": load + 0.2})
+
+
+def _table(text: str) -> list[list[str]]:
+    """The cells of the results table (not its header, not the servers' table, whose commands are `serve ...`)."""
+    lines = [ln for ln in text.splitlines() if ln.startswith("| ") and not ln.startswith("| row") and "`serve" not in ln]
+    return [[c.strip() for c in ln.strip("|").split("|")] for ln in lines]
+
+
+def test_ratios_against_vllm_plain_at_the_same_clients(tmp_path):
+    _measured(tmp_path, "vllm-plain", "vllm", [_point(1, 20.0, 25.0), _point(4, 80.0, 20.0)])
+    _measured(tmp_path, "dspark-plain", "dspark", [_point(1, 30.0, 20.0, 1.0), _point(4, 40.0, 10.0, 1.0)])
+    note_row(tmp_path, {"name": "vllm-eagle3", "engine": "vllm", "method": "eagle3", "status": "skipped",
+                        "reason": "no Eagle3 checkpoint"})
+    paths = write_peers(tmp_path, tmp_path / "out", CONFIG, "bash scripts/serving_peers.sh", "bash scripts/serving_peers.sh",
+                        smoke=False)
+    assert [p.name for p in paths] == ["peers.md", "peers.json", "peers.png"]
+    text = paths[0].read_text()
+    assert "Written by `bash scripts/serving_peers.sh`." in text
+    assert "Smoke run" not in text and "other work" not in text  # load 0.1: nothing said about load
+    rows = _table(text)
+    assert [r[:4] for r in rows] == [["vllm-plain", "vllm", "m", "1"], ["vllm-plain", "vllm", "m", "4"],
+                                     ["dspark-plain", "dspark", "m", "1"], ["dspark-plain", "dspark", "m", "4"]]
+    # total vs, per-user vs: 30/20, 20/25 at 1 client; 40/80, 10/20 at 4
+    assert [(r[6], r[8]) for r in rows[2:]] == [("1.50x", "0.80x"), ("0.50x", "0.50x")]
+    assert [(r[6], r[8]) for r in rows[:2]] == [("1.00x", "1.00x")] * 2
+    assert rows[0][9] == "–" and rows[2][9] == "1.00"  # vLLM plain has no tau
+    assert rows[0][11] == "0.10 -> 0.30"
+    assert "- `vllm-eagle3` (skipped): no Eagle3 checkpoint" in text
+    saved = json.loads(paths[1].read_text())
+    assert saved["rows"][1]["points"][0]["total_vs_baseline"] == pytest.approx(1.5)
+
+
+def test_smoke_under_load_is_labelled(tmp_path):
+    _measured(tmp_path, "dspark-plain", "dspark", [_point(1, 30.0, 20.0, 1.0)], load=3.5)
+    text = write_peers(tmp_path, tmp_path, CONFIG, "NUM_REQUESTS=4 bash scripts/serving_peers.sh",
+                       "bash scripts/serving_peers.sh", smoke=True)[0].read_text()
+    assert "**Smoke run under load: not a result.**" in text
+    assert "Full run: `bash scripts/serving_peers.sh`" in text
+    assert "each engine placed on them as it chooses" in text
+    pinned = write_peers(tmp_path, tmp_path, {**CONFIG, "cpus": "1"}, "c", "c", smoke=True)[0].read_text()
+    assert "every server confined to core(s) 1" in pinned
+    assert _table(text)[0][6] == "–"  # no vLLM plain row: no ratio
+
+
+def test_loaded_full_run_says_so(tmp_path):
+    _measured(tmp_path, "vllm-plain", "vllm", [_point(1, 20.0, 25.0)], load=1.7)
+    text = write_peers(tmp_path, tmp_path, CONFIG, "c", "c", smoke=False)[0].read_text()
+    assert "load average up to 1.70 on 2 CPUs" in text and "Smoke run" not in text
+
+
+def test_failed_point_gets_no_ratio(tmp_path):
+    _measured(tmp_path, "vllm-plain", "vllm", [_point(1, 20.0, 25.0)])
+    _measured(tmp_path, "dspark-all", "dspark", [_point(1, 0.0, 0.0, requests=0)])
+    text = write_peers(tmp_path, tmp_path, CONFIG, "c", "c", smoke=False)[0].read_text()
+    assert _table(text)[1][6] == "–"
+
+
+def test_a_later_note_replaces_an_earlier_one_and_bad_notes_are_refused(tmp_path):
+    note_row(tmp_path, {"name": "vllm-ngram", "engine": "vllm", "method": "ngram", "status": "failed",
+                        "reason": "first try"})
+    _measured(tmp_path, "vllm-ngram", "vllm", [_point(1, 20.0, 25.0)])
+    rows = read_rows(tmp_path)
+    assert len(rows) == 1 and rows[0]["status"] == "measured" and len(rows[0]["points"]) == 1
+    with pytest.raises(ValueError, match="status"):
+        note_row(tmp_path, {"name": "x", "engine": "vllm", "method": "m", "status": "ok"})
+    note_row(tmp_path, {"name": "y", "engine": "dspark", "method": "m", "status": "measured"})
+    with pytest.raises(ValueError, match="serve_load.json"):
+        read_rows(tmp_path)
+
+
+def test_speculative_config_of_the_printed_command():
+    printed = ("wrote /tmp/x\nlaunch it with:\npython -m vllm.entrypoints.openai.api_server --model /m "
+               "--speculative-config '{\"method\": \"eagle3\", \"model\": \"/tmp/x\", \"num_speculative_tokens\": 3}'\n")
+    assert json.loads(speculative_config(printed)) == {"method": "eagle3", "model": "/tmp/x", "num_speculative_tokens": 3}
+    with pytest.raises(ValueError, match="speculative-config"):
+        speculative_config("python -m vllm.entrypoints.openai.api_server --model /m\n")
+
+
+def test_no_figure_without_a_measured_point(tmp_path):
+    note_row(tmp_path, {"name": "vllm-plain", "engine": "vllm", "method": "plain", "status": "failed",
+                        "reason": "the server exited before answering /health"})
+    paths = write_peers(tmp_path, tmp_path, CONFIG, "c", "c", smoke=True)
+    assert [p.name for p in paths] == ["peers.md", "peers.json"]
+    text = paths[0].read_text()
+    assert "peers.png" not in text and "- `vllm-plain` (failed): the server exited" in text
