@@ -16,7 +16,8 @@ from dspark.drafters.dspark.model import DSparkModel
 from dspark.drafters.dspark.vocab import restrict_to_draft_vocab
 from dspark.export.engines import OUTSIDE_BIAS, SATURATE, export_for_engine
 from dspark.sampling.processing import SamplingParams
-from tests.drafters.tiny_drafters import LAYER_IDS, random_tokens, request_after, sample_for, tiny_dspark
+from tests.drafters.tiny_drafters import (LAYER_IDS, random_tokens, request_after, sample_for, tiny_dflash,
+                                         tiny_dspark)
 from tests.tiny import tiny_target
 
 from . import engine_loaders as engines
@@ -135,6 +136,23 @@ def test_our_loader_reads_the_export_back_and_proposes_the_same(qwen3, tmp_path,
     outside[model.draft_vocab] = False
     assert torch.all(b.draft_probs[..., outside] == 0)
     assert torch.allclose(a.draft_probs, b.draft_probs, atol=1e-5)
+
+
+def test_dflash_with_a_draft_vocabulary_goes_to_sglang_as_a_rank_2_masking_head(qwen3, tmp_path):
+    """A DFlash drafter is a DSpark with a zero rank-1 head; with a draft vocabulary the masking rank makes it 2."""
+    tokens = random_tokens(12, seed=6)
+    ids = [t for t in range(qwen3.vocab_size) if t != tokens[-1]][::2]
+    model = restrict_to_draft_vocab(_bf16_exact(tiny_dflash(qwen3)), ids).eval()
+    model.save_checkpoint(tmp_path / "ckpt")
+    plan, _ = export_for_engine(tmp_path / "ckpt", "sglang", tmp_path / "sgl")
+    assert any("zero rank-1" in n for n in plan.notes) and any("full vocabulary" in n for n in plan.notes)
+    loaded = engines.sglang_dspark(tmp_path / "sgl", qwen3.vocab_size)  # static verify mode: no confidence head
+    assert (loaded.markov_rank, loaded.ignored, loaded.unfilled) == (2, [], [])
+    back = DSparkModel.from_checkpoint(tmp_path / "sgl", qwen3).eval()
+    t = SamplingParams(temperature=1.0, max_new_tokens=8, seed=0)
+    a = DSparkDrafter(model).propose([request_after(qwen3, tokens, LAYER_IDS, t)], [4])
+    b = DSparkDrafter(back).propose([request_after(qwen3, tokens, LAYER_IDS, t)], [4])
+    assert torch.equal(a.tokens, b.tokens) and torch.allclose(a.draft_probs, b.draft_probs, atol=1e-5)
 
 
 def test_smollm2_sized_draft_vocabulary_export_is_what_sglang_reads(tmp_path):

@@ -48,8 +48,8 @@ EAGLE3_ARCH = "LlamaForCausalLMEagle3"  # SGLang models/llama_eagle3.py, vLLM ll
 HEAD_TYPES = {"sglang": ("vanilla", "gated", "rnn"), "vllm": ("vanilla",)}
 #: the Markov bias of a token outside the draft vocabulary in an SGLang export (``mask_outside_draft_vocab``):
 #: a power of two, so exact in bf16 and fp16; U_k + OUTSIDE_BIAS stays finite in fp16 (|U_k| < 49,000, max 65,504)
-#: and exp(OUTSIDE_BIAS + U_k - max_k U_k) is exactly 0 in fp32, bf16 and fp16 (their smallest positive number is
-#: above e^-104) while the logit gap to the best draft token is below 16,280 at temperature 1 (or 100 at T = 100)
+#: and exp((OUTSIDE_BIAS + U_k - max_k U_k) / T) is exactly 0 in fp32, bf16 and fp16 (their smallest positive
+#: number is above e^-104) while the best outside token's lead over the best draft token is below 16,384 - 104 T
 OUTSIDE_BIAS = -2.0 ** 14
 #: a pre-activation whose sigmoid and tanh are exactly 1 in fp32, bf16 and fp16 (1 - sigmoid(64) = 1.6e-28)
 SATURATE = 64.0
