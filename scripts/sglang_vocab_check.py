@@ -9,8 +9,10 @@ every proposal: draft tokens, draft probabilities (and their mass outside the dr
 logits, then the outputs and acceptance lengths.
 
 usage: python scripts/sglang_vocab_check.py CKPT EXPORT [--target smollm2-135m] [--sets gsm8k,mt-bench]
-       [--per-set 2] [--max-new-tokens 64] [--temperature 0] [--threads 1]
-Prints one JSON line; exits 1 when a proposal or an output differs.
+       [--per-set 2] [--max-new-tokens 64] [--threads 1]
+Prints one JSON line; exits 1 when a proposal or an output differs. Greedy only: at temperature > 0 each
+drafter samples by inverse CDF with the same uniform, over W tokens in draft order here and over V in token-id
+order in the export, so equal distributions give different (equally distributed) samples and the runs part.
 """
 
 from __future__ import annotations
@@ -51,7 +53,6 @@ def main() -> int:
     ap.add_argument("--sets", default="gsm8k,mt-bench")
     ap.add_argument("--per-set", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
@@ -69,11 +70,11 @@ def main() -> int:
     results = {}
     for name, drafter in (("ours", ours), ("export", export)):
         rec = Recording(drafter)
-        sampling = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=args.seed)
+        sampling = SamplingParams(temperature=0.0, max_new_tokens=args.max_new_tokens)
         out = SpeculativeGenerator(target, rec).generate(prompts, sampling)
         results[name] = (rec.blocks, out)
     (blocks_a, out_a), (blocks_b, out_b) = results["ours"], results["export"]
-    same_blocks = len(blocks_a) == len(blocks_b)
+    same_blocks = len(blocks_a) == len(blocks_b)  # greedy and lossless: the same outputs, so the same steps
     tokens_equal = max_prob_diff = max_conf_diff = max_outside = 0.0
     n_tokens = 0
     for a, b in zip(blocks_a, blocks_b):
@@ -94,7 +95,7 @@ def main() -> int:
            for k, (_, out) in results.items()}
     report = {
         "checkpoint": args.checkpoint, "export": args.export, "prompts": len(prompts), "sets": args.sets,
-        "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "steps": len(blocks_a),
+        "max_new_tokens": args.max_new_tokens, "temperature": 0.0, "steps": len(blocks_a),
         "draft_tokens": n_tokens, "draft_tokens_equal": int(tokens_equal), "max_abs_draft_prob_diff": max_prob_diff,
         "max_draft_prob_outside_vocab": max_outside, "max_abs_confidence_logit_diff": max_conf_diff,
         "outputs_equal": texts_equal, "tau_ours": round(tau["ours"], 4), "tau_export": round(tau["export"], 4),
