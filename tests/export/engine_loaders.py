@@ -309,3 +309,54 @@ def sglang_eagle3(folder: Path) -> Loaded:
 def vllm_eagle3_layers(folder: Path) -> list[int]:
     cfg, _ = _read(folder)
     return [i - 1 for i in vllm_aux_layers(cfg) or []]
+
+
+# ------------------------------------------------------------------ SGLang DSpark drafting (greedy)
+# models/dspark.py: VanillaMarkov / GatedMarkovHead / RNNHead (compute_step_bias, _rnn_step, sample_block),
+# run_markov_block, DSparkDraftMixin.compute_base_logits, DSparkConfidenceHead.forward and the worker's
+# markov_embed_stack = W1 rows of [anchor, s_0 .. s_{G-2}]. Shapes: N blocks, G slots, H hidden, V vocabulary.
+
+def sglang_dspark_greedy(
+    loaded: Loaded,
+    lm_head: torch.Tensor,  # (V, H) the target's LM head, shared by SGLang
+    hidden: torch.Tensor,  # (N, G, H) the backbone's final-normed hidden states of the blocks
+    anchor: torch.Tensor,  # (N,) the anchor token ids (x_{-1})
+    dtype: torch.dtype = torch.float32,  # the engine's dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # drafts (N, G), step logits (N, G, V), conf (N, G)
+    """What SGLang drafts greedily from ``loaded`` (sglang_dspark's result): U_k + B_k over the full vocabulary,
+    argmax left to right, each draft the next step's previous token; the raw confidence logits if loaded."""
+    p = {k: v.to(dtype) for k, v in loaded.params.items()}
+    w1, w2 = p["markov_head.markov_w1.weight"], p["markov_head.markov_w2.weight"]  # (V, r) each
+    hidden = hidden.to(dtype)
+    base = hidden @ lm_head.to(dtype).T  # (N, G, V)
+    N, G, _ = hidden.shape
+    state = torch.zeros(N, loaded.markov_rank, dtype=dtype)  # the RNN's s_0 = 0
+    prev, drafts, logits = anchor.long(), [], []
+    for k in range(G):
+        e, h = w1[prev], hidden[:, k]  # (N, r), (N, H)
+        if loaded.head_type == "vanilla":
+            u = e
+        elif loaded.head_type == "gated":
+            gate = torch.sigmoid(torch.cat([h, e], -1) @ p["markov_head.gate_proj.weight"].T
+                                 + p["markov_head.gate_proj.bias"])
+            u = gate * e
+        else:
+            z = torch.cat([state, e, h], -1) @ p["markov_head.joint_proj.weight"].T + p["markov_head.joint_proj.bias"]
+            g, c, o = z.chunk(3, -1)
+            g = torch.sigmoid(g)
+            state = g * state + (1.0 - g) * torch.tanh(c)
+            u = torch.tanh(o)
+        step = base[:, k] + u @ w2.T  # (N, V)
+        prev = step.argmax(-1)
+        drafts.append(prev)
+        logits.append(step)
+    drafts_t = torch.stack(drafts, 1)  # (N, G)
+    conf = None
+    if loaded.confidence:
+        prev_seq = torch.cat([anchor.long()[:, None], drafts_t[:, :-1]], 1)  # (N, G)
+        feats = hidden
+        if loaded.params["confidence_head.proj.weight"].shape[1] > hidden.shape[-1]:  # with_markov
+            feats = torch.cat([hidden, w1[prev_seq]], -1)
+        conf = (feats.float() @ loaded.params["confidence_head.proj.weight"].float().T
+                + loaded.params["confidence_head.proj.bias"].float())[..., 0]  # SGLang's head runs in fp32
+    return drafts_t, torch.stack(logits, 1), conf

@@ -7,8 +7,9 @@ What each engine loads was read from its source (docs/interop.md §SGLang, §vLL
 - DSpark (and DFlash, as a DSpark whose Markov head is zero): both engines load ``Qwen3DSparkModel``, a
   Qwen3-shaped backbone (``draft_layer`` "qwen3", or any drafter of a Qwen3 target) (q_norm/k_norm, SiLU) with DeepSpec's slot convention (slot k predicts anchor + k + 1),
   ``markov_rank > 0``, the target's embedding and LM head. SGLang knows the ``vanilla``, ``gated`` and ``rnn``
-  heads, vLLM only ``vanilla``. SGLang drafts over the full vocabulary; vLLM takes a draft vocabulary as
-  ``draft_vocab_size`` + ``lm_head`` (W rows) + ``d2t`` (draft id -> target id offsets) with ``markov_w1``
+  heads, vLLM only ``vanilla``. SGLang drafts over the full vocabulary: a draft vocabulary goes there as one
+  more Markov rank that masks the other tokens (``mask_outside_draft_vocab``, the same drafts); vLLM takes it
+  as ``draft_vocab_size`` + ``lm_head`` (W rows) + ``d2t`` (draft id -> target id offsets) with ``markov_w1``
   over all V rows.
 - DFlash in the anchor + k convention (``slot_offset`` 1: slot k predicts anchor + k, slot 0 drafts nothing):
   vLLM loads ``DFlashDraftModel`` (Qwen3-shaped, ``dflash_config.mask_token_id`` / ``target_layer_ids``), on its
@@ -45,6 +46,13 @@ DSPARK_ARCH = "Qwen3DSparkModel"  # SGLang models/dspark.py EntryClass, vLLM reg
 DFLASH_ARCH = "DFlashDraftModel"  # vLLM registry -> qwen3_dflash.py DFlashQwen3ForCausalLM (CPU and GPU runners)
 EAGLE3_ARCH = "LlamaForCausalLMEagle3"  # SGLang models/llama_eagle3.py, vLLM llama_eagle3.py
 HEAD_TYPES = {"sglang": ("vanilla", "gated", "rnn"), "vllm": ("vanilla",)}
+#: the Markov bias of a token outside the draft vocabulary in an SGLang export (``mask_outside_draft_vocab``):
+#: a power of two, so exact in bf16 and fp16; U_k + OUTSIDE_BIAS stays finite in fp16 (|U_k| < 49,000, max 65,504)
+#: and exp((OUTSIDE_BIAS + U_k - max_k U_k) / T) is exactly 0 in fp32, bf16 and fp16 (their smallest positive
+#: number is above e^-104) while the best outside token's lead over the best draft token is below 16,384 - 104 T
+OUTSIDE_BIAS = -2.0 ** 14
+#: a pre-activation whose sigmoid and tanh are exactly 1 in fp32, bf16 and fp16 (1 - sigmoid(64) = 1.6e-28)
+SATURATE = 64.0
 SPS_FILE, STS_FILE = "dspark_sps.json", "sts.json"  # the side files, written beside the weights
 
 #: config.json keys of ours that no engine reads and that could mislead one (nested slot/layer fields)
@@ -158,13 +166,14 @@ def _plan_dspark(ckpt: Path, engine: str, cfg: dict[str, Any], target_folder: st
     conf_cfg = copy.deepcopy(cfg)
     for key in _DROP_KEYS:
         conf_cfg.pop(key, None)
-    ids = state.get("draft_vocab")
-    if ids is not None:
-        if engine == "sglang":
-            raise _refuse(engine, ckpt, f"it drafts over a draft vocabulary of {ids.numel()} tokens; SGLang's DSpark "
-                          "drafts over the target's full LM head: export the full-vocabulary checkpoint (train with "
-                          "--set draft_vocab_size=null)")
-        ids = ids.long()
+    ids = None if state.get("draft_vocab") is None else state["draft_vocab"].long()  # (W,) target ids
+    if ids is not None and engine == "sglang":  # SGLang drafts over the target's full LM head
+        rank = mask_outside_draft_vocab(out, ids, V, rank, head_type,
+                                        config.enable_confidence_head and config.confidence_head_with_markov)
+        notes.append(f"draft vocabulary of {ids.numel()} tokens written over SGLang's full vocabulary: one more "
+                     f"Markov rank ({rank}) adds {OUTSIDE_BIAS:g} to the other {V - ids.numel()} tokens' logits, "
+                     "so they get probability 0 and the drafts are ours")
+    elif ids is not None:
         w1 = torch.zeros(V, rank)  # (V, r): zero for a previous token outside the draft vocabulary, as trained
         w1[ids] = out["markov_head.markov_w1.weight"].float()
         out["markov_head.markov_w1.weight"] = w1
@@ -189,6 +198,59 @@ def _plan_dspark(ckpt: Path, engine: str, cfg: dict[str, Any], target_folder: st
                      "too) train with model.slot_offset=1 (the anchor + k convention)")
     return ExportPlan(engine, "dspark", conf_cfg, _bf16(out), config.block_size,
                       config.enable_confidence_head, notes=notes)
+
+
+def mask_outside_draft_vocab(out: dict[str, torch.Tensor], ids: torch.Tensor, V: int, rank: int, head_type: str,
+                             conf_with_markov: bool) -> int:
+    """Rewrite the Markov head of a draft-vocabulary checkpoint (W rows) over the full vocabulary V with one
+    extra rank dimension that masks the tokens outside the draft vocabulary; returns the new rank r + 1.
+
+    The extra dimension of the latent u_k is 1 at every step and every previous token, and W2's extra column
+    is 0 for draft tokens and ``OUTSIDE_BIAS`` for the others, so B_k = W2 u_k (eq. 5) is the trained bias on
+    the W draft tokens and ``OUTSIDE_BIAS`` elsewhere: softmax(U_k + B_k) over V is exactly our draft
+    distribution over W, 0 outside (docs/interop.md §Draft vocabulary in SGLang). Per head type:
+
+    - vanilla: u_k = W1[x_{k-1}], so W1's extra column is 1 for every row (outside rows stay 0 elsewhere:
+      a previous token outside the draft vocabulary has a zero embedding, as trained);
+    - gated: u_k = sigmoid(gate_proj([h_k; W1[x_{k-1}]])) * W1[x_{k-1}]: gate_proj gets a zero input column
+      (the extra embedding dimension) and an output row of zero weights with bias ``SATURATE`` (gate 1);
+    - rnn: z = [s_{k-1}; W1[x_{k-1}]; h_k], u_k = tanh(W_o z) (eq. 6): joint_proj gets zero input columns for
+      the extra state and embedding dimensions and one extra output row per chunk, zero weights, the output
+      chunk's with bias ``SATURATE`` (u = tanh(64) = 1); the extra state stays 0 and is never read;
+    - the confidence head (eq. 7) reads W1[x_{k-1}] when ``conf_with_markov``: a zero extra input column.
+    """
+    r, r1 = rank, rank + 1
+    inside = torch.zeros(V, dtype=torch.bool)
+    inside[ids] = True
+    w1 = torch.zeros(V, r1)  # (V, r + 1)
+    w1[ids, :r] = out["markov_head.markov_w1.weight"].float()  # (W, r) trained rows, in draft order
+    w1[:, r] = 1.0
+    w2 = torch.zeros(V, r1)  # (V, r + 1)
+    w2[ids, :r] = out["markov_head.markov_w2.weight"].float()  # (W, r)
+    w2[~inside, r] = OUTSIDE_BIAS
+    out["markov_head.markov_w1.weight"], out["markov_head.markov_w2.weight"] = w1, w2
+    if head_type == "gated":
+        g, b = out["markov_head.gate_proj.weight"].float(), out["markov_head.gate_proj.bias"].float()  # (r, H + r), (r,)
+        H = g.shape[1] - r
+        gate = torch.zeros(r1, H + r1)  # (r + 1, H + r + 1): input [h_k; e_k], e_k with its extra dimension last
+        gate[:r, :H + r] = g
+        bias = torch.cat([b, torch.tensor([SATURATE])])  # (r + 1,)
+        out["markov_head.gate_proj.weight"], out["markov_head.gate_proj.bias"] = gate, bias
+    elif head_type == "rnn":
+        j, b = out["markov_head.joint_proj.weight"].float(), out["markov_head.joint_proj.bias"].float()  # (3r, 2r + H)
+        H = j.shape[1] - 2 * r
+        joint = torch.zeros(3 * r1, 2 * r1 + H)  # (3(r + 1), 2(r + 1) + H): chunks gate, cand, out of r + 1 rows
+        bias = torch.zeros(3 * r1)
+        cols = torch.cat([torch.arange(r), r1 + torch.arange(r), 2 * r1 + torch.arange(H)])  # s, e, h columns
+        for c in range(3):
+            joint[c * r1:c * r1 + r, cols] = j[c * r:(c + 1) * r]
+            bias[c * r1:c * r1 + r] = b[c * r:(c + 1) * r]
+        bias[3 * r1 - 1] = SATURATE  # the output chunk's extra row: u = tanh(SATURATE) = 1
+        out["markov_head.joint_proj.weight"], out["markov_head.joint_proj.bias"] = joint, bias
+    if conf_with_markov:
+        w = out["confidence_head.proj.weight"].float()  # (1, H + r): input [h_k; W1[x_{k-1}]]
+        out["confidence_head.proj.weight"] = torch.cat([w, w.new_zeros(1, 1)], dim=1)  # (1, H + r + 1)
+    return r1
 
 
 def _plan_dflash(ckpt: Path, engine: str, cfg: dict[str, Any], config, spec, state: dict[str, torch.Tensor],
