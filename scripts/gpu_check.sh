@@ -9,8 +9,8 @@
 #   4 greedy   SmolLM2 on cuda in float32: greedy speculative output == plain greedy (prompt lookup, DSpark)
 #   5 speed    a short `dspark bench speed --device cuda` (HF rows, plain, prompt lookup, DSpark)
 #   6 serve    a small `dspark bench serve --device cuda` load (policies all and alg1, 1 and 4 clients)
-#   7 engines  a DSpark drafter with Qwen3-shaped layers (`model.draft_layer=qwen3`, full vocabulary; 60 s of
-#              training) exported to vLLM (DSpark runs on its V2 GPU runner only) and SGLang, each printed launch
+#   7 engines  the DSpark drafter (the shipped one has Qwen3-shaped layers; any other without them is replaced by
+#              60 s of training with `model.draft_layer=qwen3`) exported to vLLM (DSpark runs on its V2 GPU runner only) and SGLang, each printed launch
 #              command started and checked (a completion, drafts verified); skipped (SKIP) for an engine whose
 #              python ($VLLM_PY, $SGLANG_PY: default .venv-vllm / .venv-sglang) does not import it. Cap 300 s.
 # The DSpark drafter: checkpoints/smollm2-135m-dspark when the repository has it, else the one step 3 trained.
@@ -109,12 +109,16 @@ else
   step engines 300 bash -c "
 set -eo pipefail
 TARGET=\$('$PY' -c 'from dspark.target.convert import resolve_model_path; print(resolve_model_path(\"smollm2-135m\"))')
-${DSPARK[*]} train --config smollm2-dspark-markov --device cuda --out '$OUT/engines-train' --overwrite \
-  --set data='[\"$OUT/train-data/tok\"]' --set feature_source=online --set max_length=512 --set epochs=100 \
-  --set time_budget_s=60 --set checkpoint_every=1000000 --set draft_vocab_size=null --set model.draft_layer=qwen3
+CKPT='$DRAFTER'  # the shipped drafter (Qwen3-shaped layers, a draft vocabulary) exports to both engines
+if ! grep -q '\"draft_layer\": \"qwen3\"' \"\$CKPT/config.json\" 2>/dev/null; then  # else a 60 s one that exports
+  ${DSPARK[*]} train --config smollm2-dspark-markov --device cuda --out '$OUT/engines-train' --overwrite \
+    --set data='[\"$OUT/train-data/tok\"]' --set feature_source=online --set max_length=512 --set epochs=100 \
+    --set time_budget_s=60 --set checkpoint_every=1000000 --set model.draft_layer=qwen3
+  CKPT='$OUT/engines-train/step_latest'
+fi
 for engine in ${engines[*]}; do
   py=\$([ \$engine = vllm ] && echo '$VLLM_PY' || echo '$SGLANG_PY')
-  cmd=\$(${DSPARK[*]} export --to \$engine '$OUT/engines-train/step_latest' '$OUT/export-'\$engine --target \"\$TARGET\" | tail -n 1)
+  cmd=\$(${DSPARK[*]} export --to \$engine \"\$CKPT\" '$OUT/export-'\$engine --target \"\$TARGET\" --target-folder \"\$TARGET\" | tail -n 1)
   '$PY' scripts/interop_vllm.py --launch \"\$cmd\" --python \"\$py\" --work '$OUT/engines-'\$engine --port 8790
 done
 "
