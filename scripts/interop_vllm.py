@@ -199,11 +199,15 @@ def write_docs(rows: list[dict], version: str, command: str) -> None:
         lines.append(f"| {r['drafter']} | {r['method']} | {r['prompts']} | {r['texts_equal']}/{r['prompts']} | "
                      f"{r['tau_vllm']:.3f} | {r['tau_dspark']:.3f} | {100 * diff:+.1f} % | {launch} |")
     lines += ["", TABLE_END]
-    doc = ROOT / "docs" / "interop.md"
+    write_between(ROOT / "docs" / "interop.md", TABLE_START, TABLE_END, "\n".join(lines))
+
+
+def write_between(doc: Path, start: str, end: str, block: str) -> None:
+    """Replace the text from marker ``start`` to marker ``end`` of ``doc`` by ``block`` (which carries both markers),
+    or append ``block`` when the page has no such section yet."""
     text = doc.read_text()
-    block = "\n".join(lines)
-    if TABLE_START in text:
-        text = text[: text.index(TABLE_START)] + block + text[text.index(TABLE_END) + len(TABLE_END):]
+    if start in text:
+        text = text[: text.index(start)] + block + text[text.index(end) + len(end):]
     else:
         text = text.rstrip("\n") + "\n\n" + block + "\n"
     doc.write_text(text)

@@ -37,7 +37,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from interop_vllm import VLLM_VERSION, check_vllm as _check_vllm  # noqa: E402
+from interop_vllm import VLLM_VERSION, check_vllm as _check_vllm, write_between  # noqa: E402
 START, END = "<!-- regenerate-vllm:start -->", "<!-- regenerate-vllm:end -->"
 
 
@@ -256,12 +256,7 @@ def write_doc(doc: Path, result: dict, command: str, details: str) -> None:
         f"/health with `--enforce-eager`: {starts}) nor one warm-up request. vLLM's own counter "
         f"(`vllm:generation_tokens_total`, the warm-up's 8 included) read {counted}{reused}.", "",
         *rows, "", *[line for vl in result["vllm"] for line in (_why(vl, details), "")], END])
-    text = doc.read_text()
-    if START in text:
-        text = text[: text.index(START)] + block + text[text.index(END) + len(END):]
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    doc.write_text(text)
+    write_between(doc, START, END, block)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from interop_vllm import write_between  # noqa: E402
 from regenerate_vllm import ROOT, VllmServer, _http, check_vllm, default_vllm_python  # noqa: E402
 
 START, END = "<!-- vllm-launch:start -->", "<!-- vllm-launch:end -->"
@@ -122,12 +123,7 @@ def write_doc(doc: Path, rows: list[dict], version: str, command: str, max_token
                      f"{r['num_drafts']:.0f} | {r['tau_vllm']} | {'yes' if r['answer_equal'] else 'no'} | "
                      f"{'yes' if r['ok'] else 'no'} |")
     block = "\n".join(lines + ["", END])
-    text = doc.read_text()
-    if START in text:
-        text = text[: text.index(START)] + block + text[text.index(END) + len(END):]
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    doc.write_text(text)
+    write_between(doc, START, END, block)
 
 
 def main(argv: list[str] | None = None) -> int:

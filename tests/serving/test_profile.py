@@ -25,15 +25,7 @@ def test_grid_is_sglang_style_or_dense():
 
 def test_profile_target_builds_a_table_and_keeps_contexts():
     target = tiny_target()
-    calls = []
-    forward = target.forward
-
-    def spy(ids, seq_lens, caches, *args, **kwargs):
-        if kwargs.get("logits_for") == "all":
-            calls.append((list(seq_lens), [c.length for c in caches]))
-        return forward(ids, seq_lens, caches, *args, **kwargs)
-
-    target.forward = spy
+    calls = _spy_verify_passes(target)
     table = profile_target(target, block_size=3, max_requests=3, context_len=16, repeats=2, warmup=1)
     assert table.sample_batch_tokens == (4, 8, 12) and table.max_batch_tokens == 12
     assert all(s > 0 for s in table.sample_steps_per_sec)

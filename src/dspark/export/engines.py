@@ -111,6 +111,15 @@ def _bf16(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous() for k, v in state.items()}
 
 
+def _vllm_draft_vocab(out: dict, conf_cfg: dict, notes: list[str], state: dict, ids: torch.Tensor,
+                      target_folder, engine: str, ckpt) -> None:
+    """A draft vocabulary as vLLM reads it: ``lm_head`` (W rows of the target's), ``d2t`` and ``draft_vocab_size``."""
+    out["lm_head.weight"] = _draft_lm_head(state, ids, target_folder, engine, ckpt)  # (W, H)
+    out["d2t"] = ids - torch.arange(ids.numel())  # (W,) int64: target id = draft id + d2t[draft id]
+    conf_cfg["draft_vocab_size"] = int(ids.numel())
+    notes.append(f"draft vocabulary of {ids.numel()} tokens written as vLLM's draft_vocab_size + d2t")
+
+
 def _draft_lm_head(state: dict[str, torch.Tensor], ids: torch.Tensor, target_folder: str | Path | None,
                    engine: str, ckpt: Path) -> torch.Tensor:  # (W, H): the target's LM-head rows of the draft vocabulary
     if "lm_head.weight" in state:
@@ -177,10 +186,7 @@ def _plan_dspark(ckpt: Path, engine: str, cfg: dict[str, Any], target_folder: st
         w1 = torch.zeros(V, rank)  # (V, r): zero for a previous token outside the draft vocabulary, as trained
         w1[ids] = out["markov_head.markov_w1.weight"].float()
         out["markov_head.markov_w1.weight"] = w1
-        out["lm_head.weight"] = _draft_lm_head(state, ids, target_folder, engine, ckpt)  # (W, H), vLLM needs it
-        out["d2t"] = ids - torch.arange(ids.numel())  # (W,) int64: target id = draft id + d2t[draft id]
-        conf_cfg["draft_vocab_size"] = int(ids.numel())
-        notes.append(f"draft vocabulary of {ids.numel()} tokens written as vLLM's draft_vocab_size + d2t")
+        _vllm_draft_vocab(out, conf_cfg, notes, state, ids, target_folder, engine, ckpt)
     n = spec.num_layers
     conf_cfg.update({
         "architectures": [DSPARK_ARCH], "model_type": "qwen3", "num_hidden_layers": n,
@@ -268,11 +274,7 @@ def _plan_dflash(ckpt: Path, engine: str, cfg: dict[str, Any], config, spec, sta
     notes = []
     ids = state.get("draft_vocab")
     if ids is not None:
-        ids = ids.long()
-        out["lm_head.weight"] = _draft_lm_head(state, ids, target_folder, engine, ckpt)  # (W, H)
-        out["d2t"] = ids - torch.arange(ids.numel())  # (W,) int64: target id = draft id + d2t[draft id]
-        conf_cfg["draft_vocab_size"] = int(ids.numel())
-        notes.append(f"draft vocabulary of {ids.numel()} tokens written as vLLM's draft_vocab_size + d2t")
+        _vllm_draft_vocab(out, conf_cfg, notes, state, ids.long(), target_folder, engine, ckpt)
     n = spec.num_layers
     conf_cfg.update({
         "architectures": [DFLASH_ARCH], "model_type": "qwen3", "num_hidden_layers": n,
