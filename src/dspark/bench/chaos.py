@@ -399,9 +399,10 @@ def limits_section() -> list[str]:
         "Memory (`serving/memory.py`, `--malloc-tuning`, on by default): oneDNN's primitive cache (a compiled"
         " kernel with its buffers per new matmul shape, 1,024 by default) capped at 16 and ideep's "
         'computation cache in front of it (`LRU_CACHE_CAPACITY`, 1,024 by default; "What grew" below) capped '
-        "at 64, fixed glibc mmap and trim thresholds, two malloc arenas, and `malloc_trim` every 64 requests;"
-        " the objects alive after start-up are frozen out of the garbage collector (`gc.freeze`); the Soak "
-        "section measures RSS with them.", "",
+        "at 64, two malloc arenas, and `malloc_trim` every 64 requests; the objects alive after start-up are "
+        "frozen out of the garbage collector (`gc.freeze`); the Soak section measures RSS with them. glibc's "
+        "mmap and trim thresholds are left dynamic: the Soak runs below had them fixed at 256 / 512 KiB, which "
+        "halved the server's throughput at 16 clients (docs/serving/malloc.md).", "",
         "The engine core runs in its own process (`serving/engine_process.py`, `--engine-process`, on by "
         "default; docs/serving.md, Engine): a crash of it (SIGKILL, out of memory, a native fault) ends every"
         " open stream with an error event and `data: [DONE]` and every other open request with a 500 in "

@@ -57,7 +57,7 @@ def load_prompts(path: str | Path | None = None, limit: int = 256) -> list[str]:
         path = Path(path)
         if not path.is_file():
             raise ValueError(f"prompt file {path} does not exist")
-        lines = [ln for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
+        lines = [ln for ln in path.read_text(encoding="utf-8").split("\n") if ln.strip()]
         prompts = [_first_turn(ln, f"{path}:{i + 1}") for i, ln in enumerate(lines[:limit])]
         if not prompts:
             raise ValueError(f"prompt file {path} has no prompts")
@@ -67,7 +67,7 @@ def load_prompts(path: str | Path | None = None, limit: int = 256) -> list[str]:
     for name in EVAL_SETS:
         f = folder / f"{name}.jsonl"
         if f.is_file():
-            lines = [ln for ln in f.read_text(encoding="utf-8").splitlines() if ln.strip()][:limit]
+            lines = [ln for ln in f.read_text(encoding="utf-8").split("\n") if ln.strip()][:limit]
             per_set.append([_first_turn(ln, str(f)) for ln in lines])
     prompts = [p for group in zip(*per_set) for p in group] if per_set else []
     if not prompts:

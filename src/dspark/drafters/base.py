@@ -32,6 +32,7 @@ class RequestState:
     generator: torch.Generator
     # target features of tokens[:-1] (every fed, committed position), if the drafter asks for them
     context_features: torch.Tensor | None = None  # (n_fed, F)
+    feature_buffer: Any = None  # the room context_features is a view of (dspark.generation.context_features)
     draft_state: Any = None  # the drafter's own per-request state (DSpark: its projected-context cache)
     hybrid_state: Any = None  # HybridDrafter's per-request acceptance statistics (dspark.drafters.hybrid)
     finished: bool = False

@@ -102,7 +102,7 @@ def read_records(path: Path, repair: bool = False) -> list[dict[str, Any]]:
         return []
     records = []
     text = path.read_text(encoding="utf-8")
-    lines = text.splitlines()
+    lines = text.split("\n")  # JSON strings may hold U+2028 and kin, which splitlines() would cut at
     torn = False
     for i, line in enumerate(lines):
         if not line.strip():

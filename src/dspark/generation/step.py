@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dspark.drafters.base import Drafter, RequestState
+from dspark.generation.context_features import append_context_features
 from dspark.modeling.kv_cache import KVCache
 from dspark.sampling.processing import logits_to_probs, logits_to_probs_rows, sample_from_probs
 from dspark.sampling.rejection import rejection_sample
@@ -88,8 +89,9 @@ def prefill(
     for r, req in enumerate(requests):
         n = counts[r]
         if out.features is not None:
-            piece = out.features[offset : offset + n]  # (n, F)
-            req.context_features = piece if starts[r] == 0 else torch.cat([req.context_features, piece])
+            if starts[r] == 0:
+                req.context_features = None  # a prompt fed from its start: no earlier features
+            append_context_features(req, out.features[offset : offset + n])  # (n, F)
         offset += n
         complete.append(starts[r] + n == len(req.tokens))
         if not complete[-1]:
@@ -199,10 +201,7 @@ def speculative_step(
         # the cache keeps the anchor and the accepted drafts; the new anchor is emitted[-1]
         caches[r].truncate(caches[r].length - seq_lens[r] + 1 + acc)
         if out.features is not None:
-            new_feats = out.features[offset : offset + 1 + acc]
-            req.context_features = (
-                new_feats if req.context_features is None else torch.cat([req.context_features, new_feats])
-            )
+            append_context_features(req, out.features[offset : offset + 1 + acc])  # (1 + acc, F)
         offset += seq_lens[r]
         req.tokens.extend(emitted)
         _check_finished(req, emitted, stop_ids)

@@ -90,8 +90,9 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--malloc-tuning", action=argparse.BooleanOptionalAction, default=True,
                    help="memory settings for a long run: oneDNN's kernel cache capped at 16 shapes and ideep's at "
                    "64, and glibc "
-                   "with fixed mmap/trim thresholds, 2 arenas and free heap pages returned every 64 requests, "
-                   "which lower RSS over a long run (docs/reports/reliability.md, Soak) (default: on)")
+                   "with 2 arenas and free heap pages returned every 64 requests, which lower RSS over a long run "
+                   "(docs/reports/reliability.md, Soak); glibc's mmap/trim thresholds stay dynamic (fixed low they "
+                   "halved the throughput: docs/serving/malloc.md) (default: on)")
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine core (model, drafter, scheduler) in a process of its own, as vLLM's "
                    "EngineCore, so the HTTP event loop never waits for the engine's hold on the GIL; "

@@ -16,8 +16,8 @@ every new prompt length and batch, and each new (rows, weight) shape compiles ne
   count, so 160 distinct prompt lengths grew the heap in use by 254 MiB and it never came back
   (``scripts/native_growth.py``); capped at 64 entries it stays flat, at no measurable cost in speed.
 
-``tune_malloc`` fixes the thresholds (mallopt: which also turns off their dynamic adjustment) and caps
-the number of arenas; ``Trimmer`` returns free heap pages to the system (malloc_trim) every
+``tune_malloc`` caps the number of arenas (and fixes the mmap/trim thresholds only when asked: fixed
+low they cost half the server's throughput, see ``tune_malloc``); ``Trimmer`` returns free heap pages to the system (malloc_trim) every
 ``every`` finished requests, in a worker thread. Both are no-ops where the C library is not glibc, and
 an allocator setting given in the environment (MALLOC_ARENA_MAX, ...) is left as it is.
 """
@@ -45,14 +45,21 @@ def _glibc():
     return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
 
 
-def tune_malloc(arena_max: int = 2, mmap_threshold: int = 256 * 1024, trim_threshold: int = 512 * 1024) -> dict:
-    """Fixed thresholds and at most ``arena_max`` arenas; returns the settings applied (empty: none)."""
+def tune_malloc(arena_max: int = 2, mmap_threshold: int | None = None, trim_threshold: int | None = None) -> dict:
+    """At most ``arena_max`` arenas, and fixed mmap/trim thresholds where given; returns the settings applied
+    (empty: none).
+
+    The thresholds stay glibc's dynamic ones by default: fixed at 256 KiB / 512 KiB (the earlier default) every
+    activation of a prefill chunk or a batch of 16 was mmapped, page-faulted in and unmapped again, and the
+    server made 0.45x the tokens/s at 16 clients (scripts/malloc_serving.sh, docs/serving/malloc.md)."""
     libc = _glibc()
     if libc is None:
         return {}
     applied = {}
     for param, value in ((M_ARENA_MAX, arena_max), (M_MMAP_THRESHOLD, mmap_threshold),
                          (M_TRIM_THRESHOLD, trim_threshold)):
+        if value is None:
+            continue
         if os.environ.get(ENV[param]) is None and libc.mallopt(param, value) == 1:
             applied[ENV[param]] = value
     return applied

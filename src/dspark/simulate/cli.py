@@ -111,7 +111,7 @@ def load_trace(path: str, drafter: str | None = None) -> tuple[list[tuple[int, i
     samples.jsonl that name another drafter than ``drafter`` are left out."""
     lengths, records = [], []
     try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
+        lines = Path(path).read_text(encoding="utf-8").split("\n")
     except OSError as err:
         raise DSparkError(f"trace {path}: {err.strerror}") from None
     for i, line in enumerate(lines):

@@ -41,7 +41,7 @@ def read_rows(work: str | Path) -> list[dict]:
     ``WORK/<name>/serve_load.json``, by concurrency) when it was measured."""
     work = Path(work)
     rows: dict[str, dict] = {}
-    for line in (work / ROWS_FILE).read_text().splitlines():
+    for line in (work / ROWS_FILE).read_text().split("\n"):
         if line.strip():
             rec = json.loads(line)
             rows[rec["name"]] = rec

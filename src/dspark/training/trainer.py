@@ -261,7 +261,7 @@ class _Logger:
             self.tb = None
         self.jsonl = out / "metrics.jsonl"
         if self.jsonl.exists():  # drop lines from after the checkpoint we resume from
-            keep = [ln for ln in self.jsonl.read_text().splitlines() if _logged_step(ln) <= start_step]
+            keep = [ln for ln in self.jsonl.read_text().split("\n") if ln.strip() and _logged_step(ln) <= start_step]
             self.jsonl.write_text("".join(ln + "\n" for ln in keep))
 
     def step(self, n: int = 1) -> None:
