@@ -103,6 +103,8 @@ def read_records(path: Path, repair: bool = False) -> list[dict[str, Any]]:
     records = []
     text = path.read_text(encoding="utf-8")
     lines = text.split("\n")  # JSON strings may hold U+2028 and kin, which splitlines() would cut at
+    if lines and lines[-1] == "":
+        lines.pop()  # the newline after the last record
     torn = False
     for i, line in enumerate(lines):
         if not line.strip():
