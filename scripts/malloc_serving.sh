@@ -23,12 +23,11 @@ trap stop EXIT
 
 row() {  # name, env..., --, serve flags...
   local name=$1; shift
-  local envs=() flags=()
+  local envs=()
   while [ "$1" != -- ]; do envs+=("$1"); shift; done; shift
-  flags=("$@")
-  env "${envs[@]}" PYTHONPATH="$PWD/src" setsid "$PY" -m dspark.cli --threads 1 serve --target "$MODEL" \
+  env ${envs[@]+"${envs[@]}"} PYTHONPATH="$PWD/src" setsid "$PY" -m dspark.cli --threads 1 serve --target "$MODEL" \
     --served-model-name smollm2-135m --dtype bfloat16 --max-batch "$MAXC" --max-queue "$((4 * MAXC))" \
-    --host 127.0.0.1 --port "$PORT" --log-level warning --drafter none "${flags[@]}" > "$WORK/$name.log" 2>&1 &
+    --host 127.0.0.1 --port "$PORT" --log-level warning --drafter none "$@" > "$WORK/$name.log" 2>&1 &
   server=$!
   for _ in $(seq 300); do curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && break; sleep 1; done
   PYTHONPATH="$PWD/src" "$PY" -m dspark.cli --threads 1 bench serve --url "http://127.0.0.1:$PORT" \
@@ -37,8 +36,8 @@ row() {  # name, env..., --, serve flags...
   stop
 }
 row fixed MALLOC_MMAP_THRESHOLD_=262144 MALLOC_TRIM_THRESHOLD_=524288 --
-row dynamic DSPARK_NOTHING=1 --
-row none DSPARK_NOTHING=1 -- --no-malloc-tuning
+row dynamic --
+row none -- --no-malloc-tuning
 
 PYTHONPATH="$PWD/src" "$PY" - "$WORK" "$OUT" "$CONCURRENCY $NUM_REQUESTS $MAX_TOKENS" <<'PYEOF'
 import json, sys, os

@@ -3,7 +3,7 @@
 A drafter that reads target features (DSpark, DFlash, Eagle3) sees ``RequestState.context_features``, a
 (n_fed, F) tensor of every fed, committed position. Appending with ``torch.cat`` copies the whole history at
 every step (O(n^2) bytes over a request); here the first append allocates room for the prompt, every token
-the request may still generate and one verify block, and later appends write into that room. The tensor a
+the request may still commit, and later appends write into that room. The tensor a
 drafter sees is a view of the buffer's first n_fed rows.
 
 Whoever replaces ``context_features`` by hand (a profiler rewinding a step, a test) is followed: when the
@@ -39,23 +39,23 @@ class FeatureBuffer:
                 and view.data_ptr() == self.data.data_ptr() and view.stride() == self.data.stride())
 
 
-def append_context_features(req: RequestState, piece: torch.Tensor, extra: int = 0) -> None:
-    """Append ``piece`` (n, F) to ``req.context_features`` in place; ``extra``: rows a verify block may add.
+def append_context_features(req: RequestState, piece: torch.Tensor) -> None:
+    """Append ``piece`` (n, F) to ``req.context_features`` in place.
 
-    The buffer holds prompt + max_new_tokens + extra rows; a request that outgrows it (or whose features
+    The buffer holds a row for every token the request may commit (prompt + max_new_tokens); a request that outgrows it (or whose features
     were replaced) gets a new one of twice the size, so appends stay amortised O(n).
     """
     current = req.context_features
     buf = req.feature_buffer
     if current is None:
         have = 0
-    elif isinstance(buf, FeatureBuffer) and buf.holds(current) and buf.data.dtype == piece.dtype:
+    elif isinstance(buf, FeatureBuffer) and buf.holds(current):
         have = buf.length = current.shape[0]  # a rewound view: later rows are free again
     else:
         have, buf = current.shape[0], None  # features set from elsewhere: copy them into a new buffer
     need = have + piece.shape[0]
     if buf is None or need > buf.capacity or buf.data.dtype != piece.dtype or buf.data.device != piece.device:
-        room = len(req.tokens) + req.sampling.max_new_tokens + extra + 1
+        room = len(req.tokens) + req.sampling.max_new_tokens
         capacity = max(need, room, 2 * buf.capacity if buf is not None else 0)
         fresh = FeatureBuffer(torch.empty(capacity, piece.shape[1], dtype=piece.dtype, device=piece.device))
         if have:

@@ -17,8 +17,8 @@ every new prompt length and batch, and each new (rows, weight) shape compiles ne
   (``scripts/native_growth.py``); capped at 64 entries it stays flat, at no measurable cost in speed.
 
 ``tune_malloc`` caps the number of arenas (and fixes the mmap/trim thresholds only when asked: fixed
-low they cost half the server's throughput, see ``tune_malloc``); ``Trimmer`` returns free heap pages to the system (malloc_trim) every
-``every`` finished requests, in a worker thread. Both are no-ops where the C library is not glibc, and
+low they cost half the server's throughput, see ``tune_malloc``); ``Trimmer`` returns free heap pages to
+the system (malloc_trim) every ``every`` finished requests, in a worker thread. Both are no-ops where the C library is not glibc, and
 an allocator setting given in the environment (MALLOC_ARENA_MAX, ...) is left as it is.
 """
 
