@@ -4,7 +4,8 @@
 # §Through vLLM's server). The drafter-at-scale run found teacher-forced labelled text worse than the target's own
 # answers (docs/reports/training-scale.md §What the 3,500 point says); these answers are the next stage's data.
 #
-#   bash scripts/scale_regenerate.sh          # R=runs/scale NUM=12000 VLLM_VENV=.venv-vllm PORT=8011
+#   bash scripts/scale_regenerate.sh          # R=runs/scale NUM=12000 VLLM_VENV=.venv-vllm PORT=8011 CONCURRENCY=16
+#   CPUS=1 bash scripts/scale_regenerate.sh   # the server confined to core 1 (taskset, vLLM's threads bound there)
 #
 # Resumable: the prompt file is built once, `dspark data regenerate` skips the records already written, and the
 # same command goes on after an interruption. The answers archived in git (scripts/scale_archive.sh: save them
@@ -22,13 +23,17 @@ PORT=${PORT:-8011}
 VLLM_VENV=${VLLM_VENV:-.venv-vllm}
 MODEL=${MODEL:-$HOME/.cache/dspark/models/smollm2-135m}
 DTYPE=${DTYPE:-bfloat16}
+CONCURRENCY=${CONCURRENCY:-16}  # requests in flight; also vLLM's --max-num-seqs
+CPUS=${CPUS:-}                  # e.g. 1: the server on that core only, the other left free
 [ -x "$VLLM_VENV/bin/python" ] || { echo "no vLLM at $VLLM_VENV: make interop's venv, or VLLM_VENV=/path"; exit 2; }
 mkdir -p "$R"
 R="$R" bash scripts/scale_archive.sh restore
 [ -f "$R/prompts-R.jsonl" ] || $DSPARK data prompts --out "$R/prompts-R.jsonl" --num "$NUM" --seed 21
-VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-2} "$VLLM_VENV/bin/python" -m vllm.entrypoints.openai.api_server \
+launch=()
+[ -n "$CPUS" ] && launch=(env VLLM_CPU_OMP_THREADS_BIND="$CPUS" taskset -c "$CPUS")
+VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-2} "${launch[@]}" "$VLLM_VENV/bin/python" -m vllm.entrypoints.openai.api_server \
   --model "$MODEL" --served-model-name smollm2-135m --dtype "$DTYPE" --enforce-eager --max-model-len 4096 \
-  --no-enable-chunked-prefill --max-num-batched-tokens 8192 --max-num-seqs 16 \
+  --no-enable-chunked-prefill --max-num-batched-tokens 8192 --max-num-seqs "$CONCURRENCY" \
   --host 127.0.0.1 --port "$PORT" > "$R/vllm-regenerate.log" 2>&1 &
 server=$!
 trap 'kill $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
@@ -38,4 +43,4 @@ for _ in $(seq 300); do
   sleep 2
 done
 $DSPARK data regenerate --prompts "$R/prompts-R.jsonl" --out "$R/regenerated-R.jsonl" --max-new-tokens 256 \
-  --seed 21 --base-url "http://127.0.0.1:$PORT/v1" --model smollm2-135m --concurrency 16
+  --seed 21 --base-url "http://127.0.0.1:$PORT/v1" --model smollm2-135m --concurrency "$CONCURRENCY"

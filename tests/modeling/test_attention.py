@@ -69,6 +69,17 @@ def _attend_over_the_padded_batch(q, keys, values, layout, scale):  # (N, Hq, D)
     return layout.unpad_rows(out.reshape(R, T, -1))
 
 
+def _fused_over_the_padded_batch(q, keys, values, layout, scale):  # (N, Hq, D) -> (N, Hq*D)
+    """The obvious fused attention, for the negative control: SDPA over the batch's padded block, one query head
+    per head (float32 matmuls of different shapes round a row differently)."""
+    k, v = layout.padded(keys), layout.padded(values)  # (R, Hkv, S, D)
+    R, T = layout.num_requests, layout.rows
+    qp = layout.pad_rows(q).transpose(1, 2)  # (R, Hq, T, D)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        qp, k, v, attn_mask=layout.mask(None)[:, None], scale=scale, enable_gqa=True)  # (R, Hq, T, D)
+    return layout.unpad_rows(out.transpose(1, 2).reshape(R, T, -1))
+
+
 def _attend_alone_and_among(dtype: torch.dtype, trial: int, attend=batched_attention
                             ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """One request's attention output alone, and among random neighbours (before and after it)."""
@@ -108,12 +119,14 @@ def test_rows_do_not_depend_on_the_rest_of_the_batch(dtype):
 
 
 def test_the_same_check_sees_rows_move_over_a_padded_batch():
-    """Negative control: attention over the batch's longest key length (one softmax, one matmul) rounds a row
-    differently next to longer neighbours in float32, and the comparison above catches it (it is not blind)."""
+    """Negative control: attention over the batch's longest key length (one softmax and one matmul, or the fused
+    kernel with a head per query head) rounds a row differently next to longer neighbours in float32 on some
+    CPUs' kernels and not on others, so both are tried; the comparison above catches a move (it is not blind)."""
     moved = 0
-    for trial in range(12):
-        alone, among = _attend_alone_and_among(torch.float32, trial, _attend_over_the_padded_batch)
-        moved += sum(not torch.equal(got, alone) for got in among)
+    for attend in (_attend_over_the_padded_batch, _fused_over_the_padded_batch):
+        for trial in range(12):
+            alone, among = _attend_alone_and_among(torch.float32, trial, attend)
+            moved += sum(not torch.equal(got, alone) for got in among)
     assert moved > 0
 
 
@@ -168,3 +181,84 @@ def test_gradients_through_batched_attention_match_the_per_request_loop():
     assert batched.keys() == reference.keys() and len(batched) > 4
     for name in reference:
         torch.testing.assert_close(batched[name], reference[name], atol=1e-4, rtol=1e-4, msg=name)
+
+
+def _pool_batch(lengths: list[int], rows: list[int], Hq: int, Hkv: int, seed: int, dtype=torch.bfloat16):
+    """A one-layer pool holding random keys for requests of ``lengths`` cached keys, and queries/keys/values for
+    ``rows`` new rows each."""
+    g = torch.Generator().manual_seed(seed)
+    D = 64
+    pool = KVPool(1, Hkv, D, len(lengths), 1024, dtype)
+    pool.keys.copy_(torch.randn(pool.keys.shape, generator=g))
+    pool.values.copy_(torch.randn(pool.values.shape, generator=g))
+    caches = [pool.allocate() for _ in lengths]
+    for c, n in zip(caches, lengths):
+        c.length = n
+    N = sum(rows)
+    q, k, v = (torch.randn(N, h, D, generator=g).to(dtype) for h in (Hq, Hkv, Hkv))
+    return caches, q, k, v
+
+
+def _attend(caches, rows, q, k, v):
+    layout = BatchLayout.build(rows, caches, torch.device("cpu"))
+    keys, values = layout.store_and_read(0, k, v)
+    return batched_attention(q, keys, values, layout, 0.125)
+
+
+@pytest.mark.parametrize("heads", [(9, 3), (4, 4)])  # grouped queries, and one query head per KV head
+def test_bf16_decode_rows_equal_the_rows_of_a_verify_block(heads):
+    """The fused path folds a KV head's query heads into rows and sends a lone row twice: a one-token step after
+    p keys gives bitwise the row a verify block computes at position p (greedy speculative = plain decoding)."""
+    Hq, Hkv = heads
+    for trial in range(6):
+        start = 5 + 97 * trial
+        caches, q, k, v = _pool_batch([start], [8], Hq, Hkv, seed=trial)
+        block = _attend(caches, [8], q, k, v)  # (8, Hq*D), rows at positions start..start+7
+        for t in range(8):
+            caches[0].length = start + t  # keys of the block's earlier rows are in the pool already
+            one = _attend(caches, [1], q[t : t + 1], k[t : t + 1], v[t : t + 1])
+            assert torch.equal(one[0], block[t]), (trial, t)
+
+
+def test_bf16_goes_through_the_fused_kernel_and_agrees_with_the_block_split_path(monkeypatch):
+    calls = []
+    real = attention_mod.fused_cpu_attention
+    monkeypatch.setattr(attention_mod, "fused_cpu_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    caches, q, k, v = _pool_batch([40, 300, 7, 129], [1, 8, 3, 1], 9, 3, seed=1)
+    fused = _attend(caches, [1, 8, 3, 1], q, k, v)
+    assert len(calls) == 1
+    monkeypatch.setattr(attention_mod, "FUSED_CPU_ATTENTION", False)
+    split = _attend(caches, [1, 8, 3, 1], q, k, v)
+    assert len(calls) == 1  # switched off: the block-split path
+    torch.testing.assert_close(fused.float(), split.float(), atol=2e-2, rtol=2e-2)  # bf16 rounding apart
+
+
+def test_the_decode_row_check_sees_an_unfolded_kernel_move(monkeypatch):
+    """Negative control: the same kernel with one head per query head (a one-token step is then a one-row product)
+    gives a decode row other bits than the verify block's row at its position, and the check above catches it."""
+    def unfolded(q, keys, values, layout, scale, window=None):  # (N, Hq, D) -> (N, Hq*D)
+        R, T = layout.num_requests, layout.rows
+        out = torch.nn.functional.scaled_dot_product_attention(
+            layout.pad_rows(q).transpose(1, 2), layout.padded(keys), layout.padded(values),
+            attn_mask=layout.mask(window)[:, None], scale=scale, enable_gqa=True)  # (R, Hq, T, D)
+        return layout.unpad_rows(out.transpose(1, 2).reshape(R, T, -1))
+
+    monkeypatch.setattr(attention_mod, "fused_cpu_attention", unfolded)
+    with pytest.raises(AssertionError):
+        test_bf16_decode_rows_equal_the_rows_of_a_verify_block((9, 3))
+
+
+@pytest.mark.parametrize("rows", [[1, 1, 1, 1], [8, 1, 3, 8]])
+def test_bf16_one_call_per_request_and_one_padded_call_give_the_same_bits(monkeypatch, rows):
+    """The fused path calls the kernel once per request when padding every request to the longest would read
+    more keys; the choice is about speed only: both give every row the same bits."""
+    caches, q, k, v = _pool_batch([900, 60, 7, 300], rows, 9, 3, seed=2)
+    layout = BatchLayout.build(rows, caches, torch.device("cpu"))
+    assert attention_mod._one_call_per_request(layout)  # 900 keys against 60 and 7: padding would cost most
+    outs = []
+    for per_request in (True, False):
+        monkeypatch.setattr(attention_mod, "_one_call_per_request", lambda layout, flag=per_request: flag)
+        outs.append(_attend(caches, rows, q, k, v))
+    assert torch.equal(outs[0], outs[1])
+    same_lengths = BatchLayout.build(rows, [caches[1]] * 4, torch.device("cpu"))
+    assert not attention_mod._one_call_per_request(same_lengths)  # four of equal length: one call

@@ -109,8 +109,17 @@ def test_negative_control_a_target_that_loses_invariance_fails_not_skips(monkeyp
         return self.batch_invariant
 
     monkeypatch.setattr(target_model.TargetModel, "make_batch_invariant", broken)
-    with pytest.raises(pytest.fail.Exception, match="still differ"):
+    try:
         load_invariant_bf16_target()
+    except pytest.fail.Exception as failed:
+        assert "still differ" in str(failed)
+        return
+    # the mutant loaded: it is one only where oneDNN multiplies a lone row differently from two (most AVX512-BF16
+    # CPUs); some AMX machines give a lone row the bits of two, and there unpadded steps are invariant already
+    target = load_target("smollm2-135m", dtype=torch.bfloat16, fuse=True, batch_invariant=False)
+    assert target.batch_invariance_holds(rows=8, prompt_len=40)  # it really is invariant unpadded, not skipped
+    pytest.skip("this CPU multiplies a lone bf16 row as it does two: without padding steps are invariant already, "
+                "so the mutant is no mutant here")
 
 
 @pytest.mark.slow

@@ -221,3 +221,39 @@ def test_rows_with_their_own_settings_equal_each_row_alone():
     # negative control: the comparison sees a setting applied to the wrong row
     swapped = logits_to_probs_rows(logits, temperature.flip(0).float(), top_k.long(), top_p.float())
     assert not all(torch.equal(swapped[i], logits_to_probs(logits[i], *rows[i])) for i in range(len(rows)))
+
+
+def _dense_reference(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:  # (V,)
+    """Slow reference in float64: temperature, every token at or above the k-th logit, softmax, top-p by a full
+    sort (ties kept)."""
+    scaled = logits.double() / temperature
+    kth = scaled.sort(descending=True).values[top_k - 1]
+    dist = torch.softmax(scaled.masked_fill(scaled < kth, float("-inf")), -1)
+    if top_p < 1.0:
+        kept = smallest_prefix_reaching(dist, top_p)
+        dist = torch.where(kept, dist, 0) / dist[kept].sum()
+    return dist
+
+
+@pytest.mark.parametrize("top_k,top_p", [(1, 1.0), (5, 1.0), (20, 0.8), (50, 0.95), (256, 0.6)])
+def test_small_top_k_rows_give_the_dense_distribution(top_k, top_p):
+    """Rows cut to a small top-k are computed on their k tokens only (``_sparse_top_k``); the distribution is the
+    reference's, over a vocabulary as large as SmolLM2's."""
+    logits = torch.randn(6, 49152, generator=torch.Generator().manual_seed(top_k)) * 4
+    probs = logits_to_probs(logits, 0.7, top_k, top_p)
+    for row, row_logits in zip(probs, logits):
+        want = _dense_reference(row_logits, 0.7, top_k, top_p)
+        cum = want.sort(descending=True).values.cumsum(-1)
+        if top_p < 1.0 and bool(((cum - top_p).abs() < 1e-5).any()):
+            continue  # a cumulative mass within float error of top_p: either cut is right
+        assert torch.equal(row > 0, want > 0)
+        torch.testing.assert_close(row.double(), want, atol=1e-6, rtol=1e-5)
+
+
+def test_a_top_k_cut_inside_a_tie_keeps_every_tied_token():
+    """The dense path keeps all tokens tied with the k-th logit; so does a small top-k row (it is sent there)."""
+    logits = torch.randn(3, 1000, generator=torch.Generator().manual_seed(1))
+    logits[:, 10:14] = 9.0  # four tokens tied for first place
+    probs = logits_to_probs(logits, 1.0, top_k=2)
+    assert torch.equal((probs > 0).sum(-1), torch.full((3,), 4))
+    torch.testing.assert_close(probs[:, 10:14], torch.full((3, 4), 0.25))

@@ -125,6 +125,8 @@ def _target_probs(
     settings = torch.tensor([[r.sampling.temperature, r.sampling.top_k, r.sampling.top_p] for r in requests],
                             dtype=torch.float64)[token_req]  # (N, 3)
     probs = logits_to_probs_rows(logits, settings[:, 0].float(), settings[:, 1].long(), settings[:, 2].float())
+    if min(seq_lens) == K + 1:  # every request verifies K drafts (plain decoding: none): the rows are in place
+        return probs.view(R, K + 1, V)
     target_probs = torch.zeros(R, K + 1, V, device=logits.device)
     target_probs[token_req.to(logits.device), token_row.to(logits.device)] = probs
     return target_probs

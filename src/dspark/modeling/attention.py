@@ -19,8 +19,15 @@ Its blocks are the same blocks at the same absolute positions, every block has t
 positions weigh exactly 0, and the combination adds its blocks in their order; query rows are rows of
 the matmuls, which oneDNN computes alike whatever their number
 (docs/architecture.md §Making a step cheap). Prefill pieces go the same way, so a prompt fed in pieces gives the rows it gives whole.
-``tests/modeling/test_attention.py`` checks this bitwise in bfloat16. On a GPU the padded block goes to
-SDPA (fused kernels; no such guarantee).
+``tests/modeling/test_attention.py`` checks this bitwise in bfloat16 and float32.
+
+In bfloat16 on the CPU (no soft-capping, no gradient) the same guarantee comes from torch's fused attention
+(``F.scaled_dot_product_attention``, its flash kernel: no key-block gather, no score tensor in memory), 2.5-5x
+faster here (scripts/fused_attention.py). Each KV head's query heads are folded into query rows, (R, Hkv, g*T, D),
+so every matmul of the kernel has at least two rows (a lone row is sent twice): oneDNN's bf16 matmuls give a row
+the same bits whatever the number of rows and however many masked keys pad it, which the kernel's online softmax
+then keeps. float32 matmuls do not (MKL picks kernels by shape), so float32 keeps the block-split path; the tests
+check both paths bitwise. On a GPU the padded block goes to SDPA (fused kernels; no such guarantee).
 
 Shapes: R = requests, N = tokens, T = most query rows of one request, B = key blocks read (all
 requests), L = BLOCK, S = padded key length (GPU path), Hq / Hkv = query / KV heads, g = Hq / Hkv,
@@ -38,6 +45,9 @@ from dspark.modeling.kv_cache import BLOCK, KVCache, KVPool
 
 #: most float32 score elements one matmul may produce; longer query blocks are split into row chunks
 _MAX_SCORES = 1 << 24
+#: bfloat16 on the CPU through torch's fused kernel (``fused_cpu_attention``); False: the block-split path for every
+#: dtype (scripts/fused_attention.py compares the two)
+FUSED_CPU_ATTENTION = True
 #: requests with more query rows than this (prefill pieces) attend on their own: padding every request's queries
 #: to the longest piece would multiply the work, and a prefill piece is heavy enough to pay a call of its own
 LONG_QUERY = 16
@@ -63,6 +73,8 @@ class BatchLayout:
     block_slot: torch.Tensor | None = None  # (B,) its slot (row of the key source)
     block_index: torch.Tensor | None = None  # (B,) its index inside the slot (positions index*L .. index*L+L-1)
     single_slot: int | None = None  # the slot when the layout has one request (its blocks are then a view)
+    key_lens: list[int] = field(default_factory=list)  # (R,) keys each request reads, whole blocks (<= kv_len)
+    slot_list: list[int] = field(default_factory=list)  # (R,) ``slots`` on the host
     _masks: dict = field(default_factory=dict)
 
     @property
@@ -101,8 +113,10 @@ class BatchLayout:
             slot_ids = torch.arange(R)
             layout.kv_len = -(-T // BLOCK) * BLOCK
         layout.slots = slot_ids.to(device)
+        layout.slot_list = slot_ids.tolist()
         layout.single_slot = int(slot_ids[0]) if R == 1 else None
         blocks = -(-(starts + lens) // BLOCK)  # (R,) key blocks per request
+        layout.key_lens = (blocks * BLOCK).clamp_max(layout.kv_len).tolist()  # (R,) keys each request reads
         block_req = torch.repeat_interleave(torch.arange(R), blocks)  # (B,)
         layout.block_req = block_req.to(device)
         layout.block_slot = slot_ids[block_req].to(device)
@@ -121,6 +135,17 @@ class BatchLayout:
                 allowed &= k_pos[None, None, :] > q_pos - window
             self._masks[window] = allowed
         return self._masks[window]
+
+    def row_mask(self, window: int | None, group: int) -> torch.Tensor:  # (R, 1, M, S) bool, M = max(group*T, 2)
+        """``mask`` with each row repeated for the ``group`` query heads that share a KV head (rows (g, t), as
+        ``fused_cpu_attention`` folds them); a single row is repeated twice."""
+        key = ("rows", window, group)
+        if key not in self._masks:
+            R, T = self.num_requests, self.rows
+            rows = max(group * T, 2)
+            self._masks[key] = self.mask(window)[:, None, None].expand(R, 1, rows // T, T, self.kv_len).reshape(
+                R, 1, rows, self.kv_len)
+        return self._masks[key]
 
     def block_bias(self, window: int | None) -> torch.Tensor:  # (B, 1, 1, T, L) float32: 0 = may attend, -inf
         key = ("bias", window)
@@ -248,6 +273,9 @@ def batched_attention(
             scale=scale, enable_gqa=g > 1,
         ).transpose(1, 2)  # (R, T, Hq, D)
         return layout.unpad_rows(out.reshape(R, T, Hq * D))
+    if (FUSED_CPU_ATTENTION and q.dtype == torch.bfloat16 and softcap is None
+            and not (torch.is_grad_enabled() and q.requires_grad)):
+        return fused_cpu_attention(q, keys, values, layout, scale, window)
     B = layout.block_req.shape[0]
     one = layout.single_slot  # one request (a lone stream, a prefill piece): its blocks are a view of its slot
     if one is not None:
@@ -289,3 +317,51 @@ def batched_attention(
         outs.append((summed / total[..., None]).to(q.dtype))  # (R, Hkv, g, t, D)
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=3)  # (R, Hkv, g, T, D)
     return layout.unpad_rows(out.permute(0, 3, 1, 2, 4).reshape(R, T, Hq * D))
+
+
+def fused_cpu_attention(
+    q: torch.Tensor,  # (N, Hq, D) bfloat16
+    keys: torch.Tensor,  # (P, Hkv, C, D) from store_and_read (the pool), or (R, Hkv, S, D) without a pool
+    values: torch.Tensor,
+    layout: BatchLayout,
+    scale: float,
+    window: int | None = None,
+) -> torch.Tensor:  # (N, Hq*D)
+    """Torch's fused CPU attention over each request's first S keys, load-independent in bfloat16 (module doc).
+
+    Query head h reads KV head h // g, so the g query heads of a KV head become g*T rows of one head: the kernel
+    multiplies at least g rows at once, and a lone row (g*T = 1) is sent twice, never as a one-row product."""
+    P, Hkv, C, D = keys.shape
+    Hq, T, R = q.shape[1], layout.rows, layout.num_requests
+    g = Hq // Hkv
+    qf = layout.pad_rows(q).view(R, T, Hkv, g, D).permute(0, 2, 3, 1, 4).reshape(R, Hkv, g * T, D)  # rows (g, t)
+    mask = layout.row_mask(window, g)  # (R, 1, M, S), M = max(g*T, 2)
+    if qf.shape[2] < mask.shape[2]:  # one row: sent twice
+        qf = qf.expand(R, Hkv, 2, D)
+    if _one_call_per_request(layout):  # each request over its own keys: views of its slot, no padding, no copy
+        out = torch.cat([  # without a pool, request r's keys are row r (its slot_list entry)
+            F.scaled_dot_product_attention(qf[r : r + 1], keys[s : s + 1, :, :n], values[s : s + 1, :, :n],
+                                           attn_mask=mask[r : r + 1, :, :, :n], scale=scale)
+            for r, (s, n) in enumerate(zip(layout.slot_list, layout.key_lens))])  # (R, Hkv, M, D)
+    else:  # one call over the longest request's keys: a view when the slots are consecutive
+        k, v = (keys, values) if layout.pool is None else (layout.padded(keys), layout.padded(values))
+        out = F.scaled_dot_product_attention(qf, k, v, attn_mask=mask, scale=scale)  # (R, Hkv, M, D)
+    out = out[:, :, : g * T].reshape(R, Hkv, g, T, D).permute(0, 3, 1, 2, 4).reshape(R, T, Hq * D)
+    return layout.unpad_rows(out)
+
+
+#: what one more fused-attention call costs, in keys read (measured on SmolLM2's heads, one thread: ~16 us)
+CALL_KEYS = 192
+#: gathering the keys of slots that are not consecutive costs about this many reads of them again
+GATHER_KEYS = 1.5
+
+
+def _one_call_per_request(layout: BatchLayout) -> bool:
+    """Whether calling the kernel once per request (each over its own keys) reads fewer keys than one call over
+    the batch padded to its longest request: the kernel skips no masked key, so a batch of mixed lengths pays the
+    longest one for every request. Both give every row the same bits (module doc)."""
+    R = layout.num_requests
+    if R == 1:
+        return False
+    padded = R * layout.kv_len * (1.0 if layout.slot_range is not None or layout.pool is None else 1.0 + GATHER_KEYS)
+    return sum(layout.key_lens) + R * CALL_KEYS < padded

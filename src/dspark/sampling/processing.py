@@ -73,7 +73,9 @@ def logits_to_probs_rows(
     Each operation works row by row, so a row gets what it would get alone, bit for bit
     (tests/sampling/test_processing.py): greedy rows are the one-hot argmax; the others are scaled by their
     temperature, cut to their top-k (one ``topk`` at the largest k, each row's k-th value read from it),
-    soft-maxed and cut to their top-p (one stable sort of the rows that ask for it).
+    soft-maxed and cut to their top-p (one stable sort of the rows that ask for it). Rows with a top-k of at most
+    ``TOP_K_SPARSE`` whose k-th logit is not tied with the next one are computed on their k likeliest tokens only
+    (``_sparse_top_k``: the same distribution without a pass over the vocabulary per operation).
     """
     logits = logits.float()
     N, V = logits.shape
@@ -87,8 +89,23 @@ def logits_to_probs_rows(
         probs[rows] = torch.nn.functional.one_hot(logits[rows].argmax(-1), V).float()
     if len(sampled) == 0:
         return probs
-    scaled = logits[sampled] / temperature[sampled, None].float()  # (S, V)
     k = top_k[sampled].long()
+    sparse = ((k > 0) & (k <= min(TOP_K_SPARSE, V - 1))).nonzero().squeeze(-1)  # rows of `sampled`
+    if len(sparse):
+        rows = sampled[sparse]
+        every = len(rows) == N  # the common case of a sampling batch: no copies of rows
+        dist, order, tied = _sparse_top_k(logits if every else logits[rows], temperature[rows].float(), k[sparse],
+                                          top_p[rows].float())
+        if every and not bool(tied.any()):
+            return probs.zero_().scatter_(-1, order, dist)
+        done = ~tied
+        probs[rows[done]] = torch.zeros(int(done.sum()), V, device=dev).scatter_(-1, order[done], dist[done])
+        keep = torch.ones(len(sampled), dtype=torch.bool, device=dev)
+        keep[sparse[done]] = False  # the tied rows go the dense way below
+        sampled, k = sampled[keep], k[keep]
+        if len(sampled) == 0:
+            return probs
+    scaled = logits[sampled] / temperature[sampled, None].float()  # (S, V)
     cut_k = ((k > 0) & (k < V)).nonzero().squeeze(-1)
     if len(cut_k):
         rows, kk = scaled[cut_k], k[cut_k]
@@ -101,6 +118,35 @@ def logits_to_probs_rows(
         dist[cut_p] = _top_p(dist[cut_p], p[cut_p])
     probs[sampled] = dist
     return probs
+
+
+#: rows cut to at most this many tokens by top-k are processed on those tokens only
+TOP_K_SPARSE = 256
+
+
+def _sparse_top_k(
+    logits: torch.Tensor,  # (C, V) float32
+    temperature: torch.Tensor,  # (C,) > 0
+    top_k: torch.Tensor,  # (C,) in [1, TOP_K_SPARSE], < V
+    top_p: torch.Tensor,  # (C,) in (0, 1]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # probabilities, token ids (C, W), tied rows (C,) bool
+    """The dense path's distribution for rows cut to their k likeliest tokens, computed on those k values: one
+    ``topk`` of the raw logits (a positive temperature keeps their order), temperature, softmax and top-p over k
+    values; W = the largest k + 1, the probabilities past a row's k are 0. The dense path keeps every token tied
+    with the k-th; a row whose k-th and (k+1)-th logits are equal is flagged instead, for the dense path."""
+    C, V = logits.shape
+    width = int(top_k.max()) + 1
+    values, order = torch.topk(logits, width, dim=-1)  # (C, width) descending
+    kth = values.gather(-1, (top_k - 1)[:, None])  # (C, 1)
+    tied = (values.gather(-1, top_k[:, None]) == kth).squeeze(-1)  # (C,)
+    inside = torch.arange(width, device=logits.device)[None, :] < top_k[:, None]  # (C, width)
+    dist = torch.softmax((values / temperature[:, None]).masked_fill(~inside, float("-inf")), dim=-1)  # (C, width)
+    cut = top_p < 1.0
+    if bool(cut.any()):  # values are sorted: the smallest prefix whose mass reaches top_p (the crossing token stays)
+        keep = (dist.cumsum(-1) - dist) < top_p[:, None]
+        kept = dist.masked_fill(~keep, 0.0)
+        dist = torch.where(cut[:, None], kept / kept.sum(-1, keepdim=True), dist)
+    return dist, order, tied
 
 
 #: top-p looks for its cut among this many likeliest tokens first (a partial sort), and sorts a whole row
