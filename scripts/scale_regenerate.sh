@@ -6,6 +6,10 @@
 #
 #   bash scripts/scale_regenerate.sh          # R=runs/scale NUM=12000 VLLM_VENV=.venv-vllm PORT=8011 CONCURRENCY=16
 #   CPUS=1 bash scripts/scale_regenerate.sh   # the server confined to core 1 (taskset, vLLM's threads bound there)
+#   ENGINE=dspark CPUS=1 bash scripts/scale_regenerate.sh   # this project's engine in process, one thread, BATCH=32
+#
+# The two engines answer at about the same rate on one core (2026-12-03: vLLM 0.78 answers/s with 16 in flight,
+# ours 0.75 with 32, bf16 fused attention; docs/reports/training-scale.md); either resumes the other's file.
 #
 # Resumable: the prompt file is built once, `dspark data regenerate` skips the records already written, and the
 # same command goes on after an interruption. The answers archived in git (scripts/scale_archive.sh: save them
@@ -25,10 +29,19 @@ MODEL=${MODEL:-$HOME/.cache/dspark/models/smollm2-135m}
 DTYPE=${DTYPE:-bfloat16}
 CONCURRENCY=${CONCURRENCY:-16}  # requests in flight; also vLLM's --max-num-seqs
 CPUS=${CPUS:-}                  # e.g. 1: the server on that core only, the other left free
-[ -x "$VLLM_VENV/bin/python" ] || { echo "no vLLM at $VLLM_VENV: make interop's venv, or VLLM_VENV=/path"; exit 2; }
+ENGINE=${ENGINE:-vllm}          # vllm (its CPU server) or dspark (this project's engine, in process)
+case $ENGINE in vllm|dspark) ;; *) echo "ENGINE=$ENGINE: vllm or dspark"; exit 2 ;; esac
+[ "$ENGINE" = dspark ] || [ -x "$VLLM_VENV/bin/python" ] \
+  || { echo "no vLLM at $VLLM_VENV: make interop's venv, VLLM_VENV=/path, or ENGINE=dspark"; exit 2; }
 mkdir -p "$R"
 R="$R" bash scripts/scale_archive.sh restore
 [ -f "$R/prompts-R.jsonl" ] || $DSPARK data prompts --out "$R/prompts-R.jsonl" --num "$NUM" --seed 21
+if [ "$ENGINE" = dspark ]; then
+  pin=()
+  [ -n "$CPUS" ] && pin=(taskset -c "$CPUS")
+  exec "${pin[@]}" $DSPARK --threads 1 data regenerate --prompts "$R/prompts-R.jsonl" --out "$R/regenerated-R.jsonl" \
+    --dtype "$DTYPE" --batch-size "${BATCH:-32}" --max-new-tokens 256 --seed 21
+fi
 launch=()
 [ -n "$CPUS" ] && launch=(env VLLM_CPU_OMP_THREADS_BIND="$CPUS" taskset -c "$CPUS")
 VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-2} "${launch[@]}" "$VLLM_VENV/bin/python" -m vllm.entrypoints.openai.api_server \

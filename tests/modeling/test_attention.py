@@ -249,16 +249,46 @@ def test_the_decode_row_check_sees_an_unfolded_kernel_move(monkeypatch):
 
 
 @pytest.mark.parametrize("rows", [[1, 1, 1, 1], [8, 1, 3, 8]])
-def test_bf16_one_call_per_request_and_one_padded_call_give_the_same_bits(monkeypatch, rows):
-    """The fused path calls the kernel once per request when padding every request to the longest would read
-    more keys; the choice is about speed only: both give every row the same bits."""
+def test_bf16_rows_are_the_same_in_any_split_of_the_batch(monkeypatch, rows):
+    """The fused path splits the batch into calls over runs of consecutive slots (``key_groups``); the split is
+    about speed only: one call for all, one per request and the planned split give every row the same bits."""
     caches, q, k, v = _pool_batch([900, 60, 7, 300], rows, 9, 3, seed=2)
     layout = BatchLayout.build(rows, caches, torch.device("cpu"))
-    assert attention_mod._one_call_per_request(layout)  # 900 keys against 60 and 7: padding would cost most
-    outs = []
-    for per_request in (True, False):
-        monkeypatch.setattr(attention_mod, "_one_call_per_request", lambda layout, flag=per_request: flag)
-        outs.append(_attend(caches, rows, q, k, v))
-    assert torch.equal(outs[0], outs[1])
-    same_lengths = BatchLayout.build(rows, [caches[1]] * 4, torch.device("cpu"))
-    assert not attention_mod._one_call_per_request(same_lengths)  # four of equal length: one call
+    planned = attention_mod.key_groups(layout)
+    assert [(g.count, g.keys) for g in planned] == [(1, 960), (2, 64), (1, 320)]  # 900 and 300 keys alone
+    splits = {"planned": None,
+              "one call": [attention_mod.KeyGroup(None, 0, 4, 960)],
+              "per request": [attention_mod.KeyGroup(torch.tensor([r]), r, 1, n)
+                              for r, n in enumerate(layout.key_lens)]}
+    outs = {}
+    for name, split in splits.items():
+        if split is not None:
+            monkeypatch.setattr(attention_mod, "key_groups", lambda layout, split=split: split)
+        outs[name] = _attend(caches, rows, q, k, v)
+    assert torch.equal(outs["planned"], outs["one call"]) and torch.equal(outs["planned"], outs["per request"])
+
+
+def test_key_groups_follow_consecutive_slots_and_lengths():
+    caches, *_ = _pool_batch([100, 100, 100, 100, 100, 100], [1] * 6, 9, 3, seed=3)
+    order = [caches[i] for i in (3, 4, 5, 0, 1, 2)]  # the batch in another order than its slots
+    groups = attention_mod.key_groups(BatchLayout.build([1] * 6, order, torch.device("cpu")))
+    assert [(g.first_slot, g.count, g.keys) for g in groups] == [(0, 6, 128)]  # equal lengths: one call
+    assert groups[0].requests.tolist() == [3, 4, 5, 0, 1, 2]  # its rows in slot order
+    gaps = [caches[i] for i in (0, 1, 3, 4)]  # slots 2 and 5 not in the batch
+    groups = attention_mod.key_groups(BatchLayout.build([1] * 4, gaps, torch.device("cpu")))
+    assert [(g.first_slot, g.count) for g in groups] == [(0, 2), (3, 2)]  # one view per run of slots
+
+
+def test_the_decode_row_check_sees_an_unfolded_kernel_move(monkeypatch):
+    """Negative control: the same kernel with one head per query head (a one-token step is then a one-row product)
+    gives a decode row other bits than the verify block's row at its position, and the check above catches it."""
+    def unfolded(q, keys, values, layout, scale, window=None):  # (N, Hq, D) -> (N, Hq*D)
+        R, T = layout.num_requests, layout.rows
+        out = torch.nn.functional.scaled_dot_product_attention(
+            layout.pad_rows(q).transpose(1, 2), layout.padded(keys), layout.padded(values),
+            attn_mask=layout.mask(window)[:, None], scale=scale, enable_gqa=True)  # (R, Hq, T, D)
+        return layout.unpad_rows(out.transpose(1, 2).reshape(R, T, -1))
+
+    monkeypatch.setattr(attention_mod, "fused_cpu_attention", unfolded)
+    with pytest.raises(AssertionError):
+        test_bf16_decode_rows_equal_the_rows_of_a_verify_block((9, 3))

@@ -22,8 +22,9 @@ the matmuls, which oneDNN computes alike whatever their number
 ``tests/modeling/test_attention.py`` checks this bitwise in bfloat16 and float32.
 
 In bfloat16 on the CPU (no soft-capping, no gradient) the same guarantee comes from torch's fused attention
-(``F.scaled_dot_product_attention``, its flash kernel: no key-block gather, no score tensor in memory), 2.5-5x
-faster here (scripts/fused_attention.py). Each KV head's query heads are folded into query rows, (R, Hkv, g*T, D),
+(``F.scaled_dot_product_attention``, its flash kernel: no key-block gather, no score tensor in memory), 2.2-8.5x
+faster per call here (scripts/fused_attention.py), over views of the pool: one call per run of consecutive slots,
+split where padding to the run's longest request costs more than another call (``key_groups``). Each KV head's query heads are folded into query rows, (R, Hkv, g*T, D),
 so every matmul of the kernel has at least two rows (a lone row is sent twice): oneDNN's bf16 matmuls give a row
 the same bits whatever the number of rows and however many masked keys pad it, which the kernel's online softmax
 then keeps. float32 matmuls do not (MKL picks kernels by shape), so float32 keeps the block-split path; the tests
@@ -338,30 +339,80 @@ def fused_cpu_attention(
     mask = layout.row_mask(window, g)  # (R, 1, M, S), M = max(g*T, 2)
     if qf.shape[2] < mask.shape[2]:  # one row: sent twice
         qf = qf.expand(R, Hkv, 2, D)
-    if _one_call_per_request(layout):  # each request over its own keys: views of its slot, no padding, no copy
-        out = torch.cat([  # without a pool, request r's keys are row r (its slot_list entry)
-            F.scaled_dot_product_attention(qf[r : r + 1], keys[s : s + 1, :, :n], values[s : s + 1, :, :n],
-                                           attn_mask=mask[r : r + 1, :, :, :n], scale=scale)
-            for r, (s, n) in enumerate(zip(layout.slot_list, layout.key_lens))])  # (R, Hkv, M, D)
-    else:  # one call over the longest request's keys: a view when the slots are consecutive
-        k, v = (keys, values) if layout.pool is None else (layout.padded(keys), layout.padded(values))
-        out = F.scaled_dot_product_attention(qf, k, v, attn_mask=mask, scale=scale)  # (R, Hkv, M, D)
+    groups = key_groups(layout)
+    if len(groups) == 1 and groups[0].requests is None:  # the whole batch in one call
+        out = F.scaled_dot_product_attention(qf, *(_group_keys(keys, values, layout, groups[0])),
+                                             attn_mask=mask[..., : groups[0].keys], scale=scale)  # (R, Hkv, M, D)
+    else:
+        out = qf.new_empty(R, Hkv, mask.shape[2], D)
+        for grp in groups:  # requests of consecutive slots, each group over its own longest keys: views, no copy
+            k, v = _group_keys(keys, values, layout, grp)
+            out[grp.requests] = F.scaled_dot_product_attention(
+                qf[grp.requests], k, v, attn_mask=mask[grp.requests, :, :, : grp.keys], scale=scale)
     out = out[:, :, : g * T].reshape(R, Hkv, g, T, D).permute(0, 3, 1, 2, 4).reshape(R, T, Hq * D)
     return layout.unpad_rows(out)
 
 
 #: what one more fused-attention call costs, in keys read (measured on SmolLM2's heads, one thread: ~16 us)
 CALL_KEYS = 192
-#: gathering the keys of slots that are not consecutive costs about this many reads of them again
-GATHER_KEYS = 1.5
 
 
-def _one_call_per_request(layout: BatchLayout) -> bool:
-    """Whether calling the kernel once per request (each over its own keys) reads fewer keys than one call over
-    the batch padded to its longest request: the kernel skips no masked key, so a batch of mixed lengths pays the
-    longest one for every request. Both give every row the same bits (module doc)."""
-    R = layout.num_requests
-    if R == 1:
-        return False
-    padded = R * layout.kv_len * (1.0 if layout.slot_range is not None or layout.pool is None else 1.0 + GATHER_KEYS)
-    return sum(layout.key_lens) + R * CALL_KEYS < padded
+@dataclass(frozen=True)
+class KeyGroup:
+    """Requests attended in one fused call: a run of consecutive slots, each request reading ``keys`` keys."""
+
+    requests: torch.Tensor | slice | None  # their rows of the batch (None: all, in slot order)
+    first_slot: int
+    count: int
+    keys: int  # the longest request's keys, whole blocks: the others' extra keys are masked
+
+
+def key_groups(layout: BatchLayout) -> list[KeyGroup]:
+    """How the fused path splits the batch, once per forward (every layer uses it).
+
+    The kernel skips no masked key, so a call costs (requests x the longest request's keys) plus a fixed cost
+    (``CALL_KEYS``), and a call's keys must be one view of the pool: consecutive slots. The batch is sorted by
+    slot, cut into runs of consecutive slots, and each run into the segments that minimise that cost (dynamic
+    programming over the run: a lone 900-key request among 60-key ones gets a call of its own). The split is about
+    speed only: every row gets the same bits in any group (module doc)."""
+    if "key_groups" in layout._masks:
+        return layout._masks["key_groups"]
+    slots, lens = layout.slot_list, layout.key_lens
+    R = len(slots)
+    order = sorted(range(R), key=lambda r: slots[r])
+    runs, run = [], [order[0]]
+    for r in order[1:]:
+        if slots[r] == slots[run[-1]] + 1:
+            run.append(r)
+        else:
+            runs.append(run)
+            run = [r]
+    runs.append(run)
+    groups = []
+    for run in runs:
+        n = len(run)
+        best = [0.0] + [float("inf")] * n  # best[i]: cheapest split of run[:i]; cut[i]: where its last segment starts
+        cut = [0] * (n + 1)
+        for i in range(1, n + 1):
+            longest = 0
+            for j in range(i - 1, -1, -1):  # the last segment is run[j:i]
+                longest = max(longest, lens[run[j]])
+                cost = best[j] + CALL_KEYS + (i - j) * longest
+                if cost < best[i]:
+                    best[i], cut[i] = cost, j
+        i, segments = n, []
+        while i > 0:
+            segments.append(run[cut[i] : i])
+            i = cut[i]
+        for seg in reversed(segments):
+            groups.append(KeyGroup(torch.tensor(seg), slots[seg[0]], len(seg), max(lens[r] for r in seg)))
+    if len(groups) == 1 and order == list(range(R)):
+        groups = [KeyGroup(None, slots[0], R, groups[0].keys)]
+    layout._masks["key_groups"] = groups
+    return groups
+
+
+def _group_keys(keys: torch.Tensor, values: torch.Tensor, layout: BatchLayout, group: KeyGroup
+                ) -> tuple[torch.Tensor, torch.Tensor]:  # (count, Hkv, keys, D) x2, views of the pool
+    sl = slice(group.first_slot, group.first_slot + group.count)
+    return keys[sl, :, : group.keys], values[sl, :, : group.keys]
