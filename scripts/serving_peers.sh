@@ -7,7 +7,9 @@
 #     bash scripts/serving_peers.sh                  # a smoke run (the page says so)
 #
 # Rows (ROWS=all or a comma list of these):
-#   vllm-plain, vllm-ngram (num_speculative_tokens 7, n-grams 3 down to 1: our prompt lookup's settings),
+#   vllm-plain, vllm-plain-noprefix (--no-enable-prefix-caching: the load replays its prompts at every level, which
+#   vLLM's prefix cache, on by default, serves from memory; dspark has none), vllm-ngram (num_speculative_tokens 7,
+#   n-grams 3 down to 1: our prompt lookup's settings),
 #   vllm-eagle3 (EAGLE3=CKPT, an Eagle3 checkpoint of 3 target layers, exported with `dspark export --to vllm`;
 #   without one the row is skipped, nothing is trained), dspark-plain (--drafter none), dspark-lookup
 #   (--drafter prompt-lookup), dspark-fixed1 / -alg1 / -async / -all (DRAFTER with STS, one row per verify policy),
@@ -26,7 +28,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-DEFAULT_ROWS=vllm-plain,vllm-ngram,vllm-eagle3,dspark-plain,dspark-lookup,dspark-fixed1,dspark-alg1,dspark-async,dspark-all,dspark-hybrid
+DEFAULT_ROWS=vllm-plain,vllm-plain-noprefix,vllm-ngram,vllm-eagle3,dspark-plain,dspark-lookup,dspark-fixed1,dspark-alg1,dspark-async,dspark-all,dspark-hybrid
 DEFAULTS=(NUM_REQUESTS=32 CONCURRENCY=1,4,16,32 MAX_TOKENS=64 ROWS=all)
 PY=${PY:-$([ -x .venv/bin/python ] && echo .venv/bin/python || command -v python3)}
 VLLM_VENV=${VLLM_VENV:-.venv-vllm}
@@ -117,6 +119,7 @@ row_setup() {
   SKIP= METHOD=
   case $1 in
     vllm-plain) METHOD=plain; vllm_argv ;;
+    vllm-plain-noprefix) METHOD="plain, no prefix cache"; vllm_argv --no-enable-prefix-caching ;;
     vllm-ngram) METHOD="ngram (7 tokens, n-grams 3..1)"
       vllm_argv --speculative-config '{"method": "ngram", "num_speculative_tokens": 7, "prompt_lookup_max": 3, "prompt_lookup_min": 1}' ;;
     vllm-eagle3) METHOD=eagle3; ENGINE=vllm

@@ -233,21 +233,6 @@ def test_bf16_goes_through_the_fused_kernel_and_agrees_with_the_block_split_path
     torch.testing.assert_close(fused.float(), split.float(), atol=2e-2, rtol=2e-2)  # bf16 rounding apart
 
 
-def test_the_decode_row_check_sees_an_unfolded_kernel_move(monkeypatch):
-    """Negative control: the same kernel with one head per query head (a one-token step is then a one-row product)
-    gives a decode row other bits than the verify block's row at its position, and the check above catches it."""
-    def unfolded(q, keys, values, layout, scale, window=None):  # (N, Hq, D) -> (N, Hq*D)
-        R, T = layout.num_requests, layout.rows
-        out = torch.nn.functional.scaled_dot_product_attention(
-            layout.pad_rows(q).transpose(1, 2), layout.padded(keys), layout.padded(values),
-            attn_mask=layout.mask(window)[:, None], scale=scale, enable_gqa=True)  # (R, Hq, T, D)
-        return layout.unpad_rows(out.transpose(1, 2).reshape(R, T, -1))
-
-    monkeypatch.setattr(attention_mod, "fused_cpu_attention", unfolded)
-    with pytest.raises(AssertionError):
-        test_bf16_decode_rows_equal_the_rows_of_a_verify_block((9, 3))
-
-
 @pytest.mark.parametrize("rows", [[1, 1, 1, 1], [8, 1, 3, 8]])
 def test_bf16_rows_are_the_same_in_any_split_of_the_batch(monkeypatch, rows):
     """The fused path splits the batch into calls over runs of consecutive slots (``key_groups``); the split is
