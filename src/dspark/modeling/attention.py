@@ -24,7 +24,8 @@ the matmuls, which oneDNN computes alike whatever their number
 In bfloat16 on the CPU (no soft-capping, no gradient) the same guarantee comes from torch's fused attention
 (``F.scaled_dot_product_attention``, its flash kernel: no key-block gather, no score tensor in memory), 2.2-8.5x
 faster per call here (scripts/fused_attention.py), over views of the pool: one call per run of consecutive slots,
-split where padding to the run's longest request costs more than another call (``key_groups``). Each KV head's query heads are folded into query rows, (R, Hkv, g*T, D),
+split where padding to the run's longest request costs more than another call (``key_groups``). Each KV head's
+query heads are folded into query rows, (R, Hkv, g*T, D),
 so every matmul of the kernel has at least two rows (a lone row is sent twice): oneDNN's bf16 matmuls give a row
 the same bits whatever the number of rows and however many masked keys pad it, which the kernel's online softmax
 then keeps. float32 matmuls do not (MKL picks kernels by shape), so float32 keeps the block-split path; the tests
@@ -332,7 +333,7 @@ def fused_cpu_attention(
 
     Query head h reads KV head h // g, so the g query heads of a KV head become g*T rows of one head: the kernel
     multiplies at least g rows at once, and a lone row (g*T = 1) is sent twice, never as a one-row product."""
-    P, Hkv, C, D = keys.shape
+    Hkv, D = keys.shape[1], keys.shape[3]
     Hq, T, R = q.shape[1], layout.rows, layout.num_requests
     g = Hq // Hkv
     qf = layout.pad_rows(q).view(R, T, Hkv, g, D).permute(0, 2, 3, 1, 4).reshape(R, Hkv, g * T, D)  # rows (g, t)
@@ -341,12 +342,12 @@ def fused_cpu_attention(
         qf = qf.expand(R, Hkv, 2, D)
     groups = key_groups(layout)
     if len(groups) == 1 and groups[0].requests is None:  # the whole batch in one call
-        out = F.scaled_dot_product_attention(qf, *(_group_keys(keys, values, layout, groups[0])),
+        out = F.scaled_dot_product_attention(qf, *_group_keys(keys, values, groups[0]),
                                              attn_mask=mask[..., : groups[0].keys], scale=scale)  # (R, Hkv, M, D)
     else:
         out = qf.new_empty(R, Hkv, mask.shape[2], D)
         for grp in groups:  # requests of consecutive slots, each group over its own longest keys: views, no copy
-            k, v = _group_keys(keys, values, layout, grp)
+            k, v = _group_keys(keys, values, grp)
             out[grp.requests] = F.scaled_dot_product_attention(
                 qf[grp.requests], k, v, attn_mask=mask[grp.requests, :, :, : grp.keys], scale=scale)
     out = out[:, :, : g * T].reshape(R, Hkv, g, T, D).permute(0, 3, 1, 2, 4).reshape(R, T, Hq * D)
@@ -361,7 +362,7 @@ CALL_KEYS = 192
 class KeyGroup:
     """Requests attended in one fused call: a run of consecutive slots, each request reading ``keys`` keys."""
 
-    requests: torch.Tensor | slice | None  # their rows of the batch (None: all, in slot order)
+    requests: torch.Tensor | None  # (count,) their rows of the batch, in slot order (None: all, already so)
     first_slot: int
     count: int
     keys: int  # the longest request's keys, whole blocks: the others' extra keys are masked
@@ -412,7 +413,7 @@ def key_groups(layout: BatchLayout) -> list[KeyGroup]:
     return groups
 
 
-def _group_keys(keys: torch.Tensor, values: torch.Tensor, layout: BatchLayout, group: KeyGroup
+def _group_keys(keys: torch.Tensor, values: torch.Tensor, group: KeyGroup
                 ) -> tuple[torch.Tensor, torch.Tensor]:  # (count, Hkv, keys, D) x2, views of the pool
     sl = slice(group.first_slot, group.first_slot + group.count)
     return keys[sl, :, : group.keys], values[sl, :, : group.keys]
