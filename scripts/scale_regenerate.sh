@@ -8,8 +8,8 @@
 #   CPUS=1 bash scripts/scale_regenerate.sh   # the server confined to core 1 (taskset, vLLM's threads bound there)
 #   ENGINE=dspark CPUS=1 bash scripts/scale_regenerate.sh   # this project's engine in process, one thread, BATCH=32
 #
-# The two engines answer at about the same rate on one core (2026-12-03: vLLM 0.78 answers/s with 16 in flight,
-# ours 0.75 with 32, bf16 fused attention; docs/reports/training-scale.md); either resumes the other's file.
+# On one core (2026-12-03): vLLM 0.78 answers/s with 16 in flight; ours 0.75 with 32 beside other work, 1.07 beside a
+# second regeneration (bf16 fused attention; docs/reports/training-scale.md). Either resumes the other's file.
 #
 # Resumable: the prompt file is built once, `dspark data regenerate` skips the records already written, and the
 # same command goes on after an interruption. The answers archived in git (scripts/scale_archive.sh: save them
