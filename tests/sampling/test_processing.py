@@ -235,10 +235,10 @@ def _dense_reference(logits: torch.Tensor, temperature: float, top_k: int, top_p
     return dist
 
 
-@pytest.mark.parametrize("top_k,top_p", [(1, 1.0), (5, 1.0), (20, 0.8), (50, 0.95), (256, 0.6)])
+@pytest.mark.parametrize("top_k,top_p", [(1, 1.0), (5, 1.0), (20, 0.8), (50, 0.95), (64, 0.6), (256, 0.6)])
 def test_small_top_k_rows_give_the_dense_distribution(top_k, top_p):
-    """Rows cut to a small top-k are computed on their k tokens only (``_sparse_top_k``); the distribution is the
-    reference's, over a vocabulary as large as SmolLM2's."""
+    """Rows cut to a small top-k are computed on their likeliest tokens only (``_sparse_top_k``), larger ones densely;
+    either way the distribution is the reference's, over a vocabulary as large as SmolLM2's."""
     logits = torch.randn(6, 49152, generator=torch.Generator().manual_seed(top_k)) * 4
     probs = logits_to_probs(logits, 0.7, top_k, top_p)
     for row, row_logits in zip(probs, logits):
@@ -257,3 +257,19 @@ def test_a_top_k_cut_inside_a_tie_keeps_every_tied_token():
     probs = logits_to_probs(logits, 1.0, top_k=2)
     assert torch.equal((probs > 0).sum(-1), torch.full((3,), 4))
     torch.testing.assert_close(probs[:, 10:14], torch.full((3, 4), 0.25))
+
+
+def test_a_small_top_k_row_does_not_depend_on_its_neighbours_settings():
+    """A seeded request samples the same text alone and under load only if its processed row is bitwise the same
+    whatever top-k the other rows ask for (a width set by the batch's largest k broke this in 45 of 1,344 cases)."""
+    from dspark.sampling.processing import logits_to_probs_rows
+
+    gen = torch.Generator().manual_seed(5)
+    for trial in range(6):
+        logits = torch.randn(2, 49152, generator=gen) * 3
+        for k in (3, 17, 40):
+            alone = logits_to_probs(logits[0], 0.7, k, 0.8)
+            for other in (1, 64, 200, 0):
+                both = logits_to_probs_rows(logits, torch.tensor([0.7, 1.0]), torch.tensor([k, other]),
+                                            torch.tensor([0.8, 0.9]))
+                assert torch.equal(both[0], alone), (trial, k, other)

@@ -346,10 +346,12 @@ def fused_cpu_attention(
                                              attn_mask=mask[..., : groups[0].keys], scale=scale)  # (R, Hkv, M, D)
     else:
         out = qf.new_empty(R, Hkv, mask.shape[2], D)
-        for grp in groups:  # requests of consecutive slots, each group over its own longest keys: views, no copy
+        key = ("group masks", window, g)  # each group's rows of the mask, gathered once per forward
+        if key not in layout._masks:
+            layout._masks[key] = [mask[grp.requests, :, :, : grp.keys] for grp in groups]
+        for grp, grp_mask in zip(groups, layout._masks[key]):  # runs of consecutive slots: views of the pool, no copy
             k, v = _group_keys(keys, values, grp)
-            out[grp.requests] = F.scaled_dot_product_attention(
-                qf[grp.requests], k, v, attn_mask=mask[grp.requests, :, :, : grp.keys], scale=scale)
+            out[grp.requests] = F.scaled_dot_product_attention(qf[grp.requests], k, v, attn_mask=grp_mask, scale=scale)
     out = out[:, :, : g * T].reshape(R, Hkv, g, T, D).permute(0, 3, 1, 2, 4).reshape(R, T, Hq * D)
     return layout.unpad_rows(out)
 

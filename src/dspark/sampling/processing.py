@@ -120,8 +120,9 @@ def logits_to_probs_rows(
     return probs
 
 
-#: rows cut to at most this many tokens by top-k are processed on those tokens only
-TOP_K_SPARSE = 256
+#: rows cut to at most this many tokens by top-k are processed on their TOP_K_SPARSE + 1 likeliest tokens only; the
+#: width is fixed, not the batch's largest k, so a row's bits never depend on the other rows' settings
+TOP_K_SPARSE = 64
 
 
 def _sparse_top_k(
@@ -132,10 +133,11 @@ def _sparse_top_k(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # probabilities, token ids (C, W), tied rows (C,) bool
     """The dense path's distribution for rows cut to their k likeliest tokens, computed on those k values: one
     ``topk`` of the raw logits (a positive temperature keeps their order), temperature, softmax and top-p over k
-    values; W = the largest k + 1, the probabilities past a row's k are 0. The dense path keeps every token tied
+    values; W = min(TOP_K_SPARSE + 1, V) whatever the rows' k (the reductions then have one shape, so a row's bits
+    do not depend on its neighbours), the probabilities past a row's k are 0. The dense path keeps every token tied
     with the k-th; a row whose k-th and (k+1)-th logits are equal is flagged instead, for the dense path."""
     C, V = logits.shape
-    width = int(top_k.max()) + 1
+    width = min(TOP_K_SPARSE + 1, V)
     values, order = torch.topk(logits, width, dim=-1)  # (C, width) descending
     kth = values.gather(-1, (top_k - 1)[:, None])  # (C, 1)
     tied = (values.gather(-1, top_k[:, None]) == kth).squeeze(-1)  # (C,)
