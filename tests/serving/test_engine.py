@@ -227,7 +227,7 @@ def test_stats_track_batches(target, drafter):
 def test_step_times_record_every_pass_by_batch_tokens(target, drafter):
     """Every engine step is timed under its batch tokens B = sum (1 + l_r), every prefill chunk under its
     prompt tokens; the table is 1 / median seconds (an SGLang-format SPS table)."""
-    with Engine(target, drafter, make_policy("fixed:2"), EngineConfig(max_batch=2)) as engine:
+    with Engine(target, drafter, make_policy("fixed:2"), EngineConfig(max_batch=2, mix_prefill=False)) as engine:
         handles = [engine.submit(p, SamplingParams(0.0, max_new_tokens=10)) for p in PROMPTS[:4]]
         [h.result(30) for h in handles]
         time.sleep(0.05)
@@ -243,6 +243,29 @@ def test_step_times_record_every_pass_by_batch_tokens(target, drafter):
                for b, sps in zip(table.sample_batch_tokens, table.sample_steps_per_sec))
 
 
+def test_a_prompt_fed_while_others_decode_shares_their_pass(target, drafter):
+    """mix_prefill: a request admitted while others decode has its prompt fed in their step's pass (timed as
+    ``mixed`` under B + its prompt tokens), and every request's greedy text is what it is with separate passes."""
+    def run(mix: bool):
+        with Engine(target, drafter, make_policy("fixed:2"), EngineConfig(max_batch=4, mix_prefill=mix)) as engine:
+            first = [engine.submit(p, SamplingParams(0.0, max_new_tokens=12)) for p in PROMPTS[:2]]
+            heads = [next(h.events(30)).token_ids for h in first]  # decoding before the next two arrive
+            later = [engine.submit(p, SamplingParams(0.0, max_new_tokens=12)) for p in PROMPTS[2:4]]
+            texts = [head + h.result(30)[0] for head, h in zip(heads + [[], []], first + later)]
+            time.sleep(0.05)
+            return texts, engine.stats(), engine.step_times.snapshot()
+
+    texts, s, seen = run(True)
+    mixed = seen["mixed"]
+    assert mixed, "no prompt was fed in a decode step's pass"
+    assert sum(map(len, seen["verify"].values())) + sum(map(len, mixed.values())) == s.steps
+    passes_tokens = sum(b * len(ts) for kind in ("verify", "mixed", "prefill") for b, ts in seen[kind].items())
+    assert passes_tokens == s.request_steps + s.verified_tokens + s.prompt_tokens
+    separate, _, seen_separate = run(False)
+    assert not seen_separate["mixed"]
+    assert texts == separate
+
+
 def test_step_times_keep_the_newest_and_merge():
     from dspark.serving.engine_stats import StepTimes
 
@@ -250,7 +273,7 @@ def test_step_times_keep_the_newest_and_merge():
     for t in (9.0, 1.0, 2.0, 4.0):
         times.add("verify", 5, t)
     times.add("prefill", 64, 0.5)
-    assert times.snapshot() == {"verify": {5: [1.0, 2.0, 4.0]}, "prefill": {64: [0.5]}}
+    assert times.snapshot() == {"verify": {5: [1.0, 2.0, 4.0]}, "prefill": {64: [0.5]}, "mixed": {}}
     assert times.table("verify").sample_steps_per_sec == (0.5,) and times.table("verify", min_passes=4) is None
     pooled = StepTimes()
     pooled.merge(times)

@@ -45,6 +45,7 @@ class StepTimings:
     verify_s: float = 0.0
     steps: int = 0
     verified_tokens: int = 0
+    prefill_complete: list[bool] | None = None  # per piece of ``speculative_step``'s ``prefill``: prompt complete
 
     def add(self, other: "StepTimings") -> None:
         self.draft_s += other.draft_s
@@ -65,6 +66,47 @@ def stop_ids_for(target: TargetModel, request: RequestState) -> set[int]:
     return set(target.eos_token_ids) | set(request.sampling.stop_token_ids)
 
 
+@dataclass
+class PrefillPieces:
+    """Prompt pieces to feed in a pass: ``counts[r]`` tokens of ``requests[r]`` from its cache's length on."""
+
+    requests: list[RequestState]
+    caches: list[KVCache]  # caches[r] holds the first caches[r].length prompt tokens already fed
+    counts: list[int]
+    starts: list[int] = field(default_factory=list)  # the caches' lengths before the pass (set by ``ids``)
+
+    def ids(self) -> torch.Tensor:  # (sum counts,) int64 on the host
+        self.starts = [c.length for c in self.caches]
+        return torch.tensor([t for r, s, n in zip(self.requests, self.starts, self.counts)
+                             for t in r.tokens[s : s + n]], dtype=torch.long)
+
+    def finish(
+        self,
+        target: TargetModel,
+        last_logits: torch.Tensor,  # (P, V) each piece's last row
+        features: torch.Tensor | None,  # (sum counts, F) the pieces' captured features
+    ) -> list[bool]:
+        """Context features appended; a first token sampled where a prompt completes. Returns, per piece, whether
+        its prompt is now complete."""
+        complete, offset = [], 0
+        for r, req in enumerate(self.requests):
+            n = self.counts[r]
+            if features is not None:
+                if self.starts[r] == 0:
+                    req.context_features = None  # a prompt fed from its start: no earlier features
+                append_context_features(req, features[offset : offset + n])  # (n, F)
+            offset += n
+            complete.append(self.starts[r] + n == len(req.tokens))
+            if not complete[-1]:
+                continue
+            s = req.sampling
+            first = int(sample_from_probs(logits_to_probs(last_logits[r], s.temperature, s.top_k, s.top_p),
+                                          req.generator))
+            req.tokens.append(first)
+            _check_finished(req, [first], stop_ids_for(target, req))
+        return complete
+
+
 def prefill(
     target: TargetModel,
     requests: list[RequestState],
@@ -75,32 +117,15 @@ def prefill(
     """Feed the prompts (``tokens``) to the target, whole or in pieces; sample a first token where one completes.
 
     Context features grow with every piece. A prompt fed in pieces (chunked prefill: the serving engine
-    interleaves decode steps between them) leaves the same cache, features and first token as one piece
-    fed at once. Returns, per request, whether its prompt is now complete (and its first token sampled).
+    interleaves decode steps between them, or feeds the pieces in a decode step's pass: ``speculative_step``'s
+    ``prefill``) leaves the same cache, features and first token as one piece fed at once. Returns, per request,
+    whether its prompt is now complete (and its first token sampled).
     """
-    starts = [c.length for c in caches]
     if counts is None:
-        counts = [len(r.tokens) - s for r, s in zip(requests, starts)]
-    ids = torch.tensor([t for r, s, n in zip(requests, starts, counts) for t in r.tokens[s : s + n]],
-                       dtype=torch.long)  # (N,)
-    out = target.forward(ids, counts, caches, capture_layers, logits_for="last")
-    complete = []
-    offset = 0
-    for r, req in enumerate(requests):
-        n = counts[r]
-        if out.features is not None:
-            if starts[r] == 0:
-                req.context_features = None  # a prompt fed from its start: no earlier features
-            append_context_features(req, out.features[offset : offset + n])  # (n, F)
-        offset += n
-        complete.append(starts[r] + n == len(req.tokens))
-        if not complete[-1]:
-            continue
-        s = req.sampling
-        first = int(sample_from_probs(logits_to_probs(out.logits[r], s.temperature, s.top_k, s.top_p), req.generator))
-        req.tokens.append(first)
-        _check_finished(req, [first], stop_ids_for(target, req))
-    return complete
+        counts = [len(r.tokens) - c.length for r, c in zip(requests, caches)]
+    pieces = PrefillPieces(requests, caches, counts)
+    out = target.forward(pieces.ids(), counts, caches, capture_layers, logits_for="last")
+    return pieces.finish(target, out.logits, out.features)
 
 
 def _check_finished(req: RequestState, new_tokens: list[int], stop_ids: set[int]) -> None:
@@ -132,6 +157,77 @@ def _target_probs(
     return target_probs
 
 
+def greedy_verify(
+    logits: torch.Tensor,  # (N, V) verify logits, requests concatenated
+    seq_lens: list[int],  # (R,) 1 + verify_len per request
+    drafted: torch.Tensor | None,  # (R, K) draft tokens (entries past a request's verify_len unused); None if K = 0
+) -> tuple[list[int], list[list[int]]]:  # accepted drafts per request, committed tokens per request
+    """Verification of greedy requests without distributions: a draft is accepted while it equals the target's
+    argmax at its position, and the argmax after the last accepted draft is committed. This is what
+    ``rejection_sample`` gives a one-hot target (a draft sampled from its distribution has probability > 0; the
+    ratio is then >= 1 where it is the argmax, 0 elsewhere, and the residual of a one-hot row is that row), without
+    the (R, K+1, V) tensors; the requests' generators draw nothing (a greedy request never reads them)."""
+    best = logits.argmax(-1).tolist()  # (N,) on the host
+    accepted, committed, offset = [], [], 0
+    for r, n in enumerate(seq_lens):
+        row = best[offset : offset + n]
+        drafts = drafted[r, : n - 1].tolist() if n > 1 else []
+        acc = 0
+        while acc < len(drafts) and drafts[acc] == row[acc]:
+            acc += 1
+        accepted.append(acc)
+        committed.append(drafts[:acc] + [row[acc]])
+        offset += n
+    return accepted, committed
+
+
+def _verify(
+    logits: torch.Tensor,  # (N, V) verify logits, requests concatenated
+    requests: list[RequestState],
+    seq_lens: list[int],  # (R,) 1 + verify_len per request
+    drafted: torch.Tensor | None,  # (R, K) on the host; None if K = 0
+    block,  # the step's DraftBlock (None when nothing was proposed)
+    V: int,
+) -> tuple[list[int], list[list[int]]]:  # accepted drafts, committed tokens (accepted + recovered/bonus) per request
+    """Greedy requests by ``greedy_verify``, the others by ``rejection_sample`` over their own rows (every row of
+    ``_target_probs`` and of the sampler is what a call of its own gives, so a request's result does not depend on
+    which others share the step)."""
+    R = len(requests)
+    greedy = [r for r in range(R) if requests[r].sampling.greedy]
+    accepted: list[int] = [0] * R
+    committed: list[list[int]] = [[] for _ in range(R)]
+    starts = [0]
+    for n in seq_lens:
+        starts.append(starts[-1] + n)
+    if greedy:
+        rows = greedy if len(greedy) < R else None
+        sub_logits = logits if rows is None else logits[torch.cat([torch.arange(starts[r], starts[r + 1]) for r in rows])]
+        sub_drafted = drafted if rows is None or drafted is None else drafted[rows]
+        acc, com = greedy_verify(sub_logits, [seq_lens[r] for r in greedy], sub_drafted)
+        for r, a, c in zip(greedy, acc, com):
+            accepted[r], committed[r] = a, c
+    sampled = [r for r in range(R) if not requests[r].sampling.greedy]
+    if not sampled:
+        return accepted, committed
+    if len(sampled) < R:
+        logits = logits[torch.cat([torch.arange(starts[r], starts[r + 1]) for r in sampled])]
+    reqs, lens = [requests[r] for r in sampled], [seq_lens[r] for r in sampled]
+    K = max(lens) - 1
+    target_probs = _target_probs(logits, reqs, lens, K)  # (S, K+1, V)
+    dev = logits.device
+    if K:
+        draft_tokens = block.tokens[sampled, :K].to(dev)  # the sampler runs where the target's probs are
+        draft_probs = block.draft_probs[sampled, :K].to(dev)
+    else:
+        draft_tokens = torch.zeros(len(sampled), 0, dtype=torch.long, device=dev)
+        draft_probs = torch.zeros(len(sampled), 0, V, device=dev)
+    verify_len = torch.tensor([n - 1 for n in lens])
+    result = rejection_sample(draft_tokens, verify_len, draft_probs, target_probs, [q.generator for q in reqs])
+    for r, out_row, acc in zip(sampled, result.output_tokens.tolist(), result.num_accepted.tolist()):
+        accepted[r], committed[r] = acc, out_row[: acc + 1]
+    return accepted, committed
+
+
 def speculative_step(
     target: TargetModel,
     drafter: Drafter,
@@ -140,7 +236,13 @@ def speculative_step(
     # None = verify every proposed draft; a bare VerifyPolicy reads plain-sigmoid confidences
     policy: VerifyPolicy | ConfidenceAdapter | None = None,
     draft_cap: int | None = None,
+    prefill: PrefillPieces | None = None,
 ) -> tuple[list[StepOutcome], StepTimings]:
+    """Draft, choose verify lengths, verify and commit, for every request of the batch.
+
+    ``prefill``: prompt pieces of requests not yet decoding, fed in the same target pass as the verify rows (their
+    rows come after them; the weights are read once for both). Their outcome (context features, first tokens) is
+    as ``prefill`` gives it; ``StepTimings.prefill_complete`` says which prompts completed."""
     R = len(requests)
     budget = [r.sampling.max_new_tokens - r.num_generated for r in requests]  # tokens still allowed
     cap = drafter.block_size if draft_cap is None else min(draft_cap, drafter.block_size)
@@ -170,26 +272,26 @@ def speculative_step(
         rows.append(torch.tensor([req.anchor], dtype=torch.long))
         if vl[r]:
             rows.append(drafted[r, : vl[r]])
-    out = target.forward(torch.cat(rows), seq_lens, caches, drafter.target_layer_ids, logits_for="all")
+    ids, lens, all_caches, logits_for = torch.cat(rows), seq_lens, caches, "all"
+    N = len(ids)
+    if prefill is not None and prefill.requests:
+        ids = torch.cat([ids, prefill.ids()])
+        lens, all_caches = seq_lens + prefill.counts, caches + prefill.caches
+        ends = torch.tensor(prefill.counts).cumsum(0) - 1 + N  # (P,) each piece's last row
+        logits_for = torch.cat([torch.arange(N), ends])
+    out = target.forward(ids, lens, all_caches, drafter.target_layer_ids, logits_for=logits_for)
+    complete = None
+    if prefill is not None and prefill.requests:
+        complete = prefill.finish(target, out.logits[N:], None if out.features is None else out.features[N:])
 
-    target_probs = _target_probs(out.logits, requests, seq_lens, K)  # (R, K+1, V)
-    V, dev = target.vocab_size, out.logits.device
-    if K:
-        draft_tokens = block.tokens[:, :K].to(dev)  # the sampler runs where the target's probs are
-        draft_probs = block.draft_probs[:, :K].to(dev)
-    else:
-        draft_tokens = torch.zeros(R, 0, dtype=torch.long, device=dev)
-        draft_probs = torch.zeros(R, 0, V, device=dev)
-    result = rejection_sample(draft_tokens, verify_len, draft_probs, target_probs, [r.generator for r in requests])
+    accepted_all, emitted_all = _verify(out.logits[:N], requests, seq_lens, drafted, block, target.vocab_size)
     t2 = time.perf_counter()
 
     outcomes: list[StepOutcome] = []
-    emitted_all = result.output_tokens.tolist()
-    accepted_all = result.num_accepted.tolist()
     offset = 0
     for r, req in enumerate(requests):
         acc = accepted_all[r]
-        emitted = emitted_all[r][: acc + 1]
+        emitted = emitted_all[r]
         stop_ids = stop_ids_for(target, req)
         tau = acc + 1
         for i, tok in enumerate(emitted[:acc]):  # a stop token inside the accepted drafts ends the request, no bonus
@@ -212,5 +314,6 @@ def speculative_step(
         if block is not None and block.confidence_logits is not None:
             conf = block.confidence_logits[r, :n_prop]
         outcomes.append(StepOutcome(vl[r], acc_counted, emitted, tau, conf, n_prop))
-    timings = StepTimings(draft_s=t1 - t0, verify_s=t2 - t1, steps=1, verified_tokens=sum(seq_lens))
+    timings = StepTimings(draft_s=t1 - t0, verify_s=t2 - t1, steps=1, verified_tokens=sum(seq_lens),
+                          prefill_complete=complete)
     return outcomes, timings

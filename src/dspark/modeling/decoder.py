@@ -8,7 +8,7 @@ This is the shape of a verify step in serving: every request contributes
 
 Batch invariance (``batch_invariant``, CPU bfloat16): oneDNN computes a
 one-row matmul (a GEMV) with another reduction order than a matmul of two or
-more rows, whose rows all come out bitwise equal whatever their number. A
+more rows, whose rows all come out bitwise equal from 2 to 32 rows (docs/reports/matmul-regimes.md). A
 one-token decode step and a verify block then round differently, so a greedy
 near-tie can flip between plain and speculative decoding. With the flag on, a
 forward or logits call of exactly one row runs on that row twice and keeps

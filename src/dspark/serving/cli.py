@@ -100,6 +100,10 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill-chunk", type=int, default=256, metavar="N",
                    help="prompt tokens prefilled between two decode steps, so a long prompt delays the other "
                    "streams by one chunk at most; 0 prefills whole prompts (default: %(default)s)")
+    p.add_argument("--mix-prefill", action="store_true",
+                   help="feed each prompt chunk in the decode step's target pass instead of a pass of its own (the "
+                   "weights are read once for both); greedy text may then depend on the load, as the decoding rows "
+                   "go through larger matmuls whose bf16 kernels round some rows differently")
     p.set_defaults(func=_serve)
 
 
@@ -145,7 +149,8 @@ def build_engine(args: argparse.Namespace):
     temps = load_sts_json(args.sts, drafter.block_size) if args.sts else None
     policy = make_policy(args.policy, sps, temps, args.fallback_confidence)
     engine = Engine(target, drafter, policy, EngineConfig(max_batch=args.max_batch, max_queue=args.max_queue,
-                                                          prefill_chunk=args.prefill_chunk or None))
+                                                          prefill_chunk=args.prefill_chunk or None,
+                                                          mix_prefill=args.mix_prefill))
     freeze_startup_objects()  # garbage collections scan only what requests allocate (serving.memory)
     return engine
 

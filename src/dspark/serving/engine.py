@@ -5,16 +5,18 @@ bounded waiting queue with ``submit``; between two steps the engine thread
 
 1. drops cancelled requests (a client that went away frees its slot here),
 2. admits waiting requests up to ``max_batch`` active ones,
-3. feeds at most ``prefill_chunk`` prompt tokens of the admitted, not yet
-   prefilled requests to the target (``dspark.generation.step.prefill``; a
-   request whose prompt is complete gets its first token and joins the batch),
-4. runs one ``speculative_step`` (draft -> policy -> flattened verify ->
+3. runs one ``speculative_step`` (draft -> policy -> flattened verify ->
    commit; each request's KV cache, a slot of the target's ``KVPool``, rolls back
    inside it) over all active requests,
+4. feeds at most ``prefill_chunk`` prompt tokens of the admitted, not yet
+   prefilled requests to the target in a pass of its own
+   (``dspark.generation.step.prefill``; with ``mix_prefill``, in step 3's
+   target pass when requests are decoding: the weights are read once); a request
+   whose prompt is complete gets its first token and joins the batch,
 5. streams each request's committed tokens to its handle and retires the
    finished ones.
 
-Chunked prefill (step 3) keeps a long prompt from stalling the other streams: between two of their
+Chunked prefill (step 4) keeps a long prompt from stalling the other streams: between two of their
 steps the target sees at most one chunk of prompt. Pieces leave the same cache, context features and
 first token as a whole prompt, so outputs do not depend on the chunk size.
 
@@ -49,7 +51,7 @@ from dataclasses import asdict, dataclass
 from dspark.drafters.base import Drafter, NoDrafter, RequestState
 from dspark.errors import DSparkError, PromptError
 from dspark.generation.stats import AcceptanceStats
-from dspark.generation.step import prefill, speculative_step
+from dspark.generation.step import PrefillPieces, prefill, speculative_step
 from dspark.modeling.kv_cache import BLOCK, KVCache
 from dspark.sampling.processing import SamplingParams
 from dspark.scheduler.confidence import ConfidenceAdapter
@@ -88,6 +90,10 @@ class EngineConfig:
     max_queue: int = 64  # most requests waiting for a slot; beyond it submit() raises QueueFullError
     draft_cap: int | None = None  # most draft tokens per request per step (None: the drafter's block size)
     prefill_chunk: int | None = 256  # most prompt tokens prefilled between two decode steps (None: whole prompts)
+    # feed the chunk in the decode step's target pass (the weights read once for both) instead of a pass of its own;
+    # off by default: it moves the decoding rows into larger matmuls, whose bf16 kernels round some rows differently
+    # (docs/architecture.md §Making a step cheap), so greedy text could then depend on the load
+    mix_prefill: bool = False
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
@@ -359,10 +365,15 @@ class Engine:
                 self._retire()
                 if admitted:
                     self._admit(admitted)
-                if self._prefilling and not paused:
-                    self._prefill_chunk()
-                if self._active and not paused:
-                    self._step()
+                if paused:
+                    pass
+                elif self._prefilling and self._active and self.config.mix_prefill:
+                    self._step(with_prefill=True)  # one pass: the batch's verify rows and a chunk of prompt
+                else:
+                    if self._prefilling:
+                        self._prefill_chunk()
+                    if self._active:
+                        self._step()
             except Exception as err:  # noqa: BLE001 - a bug must fail requests, not hang them
                 victims, self._active, self._prefilling = self._active + self._prefilling, [], []
                 self._fail(victims, err)
@@ -396,8 +407,8 @@ class Engine:
             h.stats = AcceptanceStats(block_size=max(block, 1))
             self._prefilling.append(_Active(h, state, cache))
 
-    def _prefill_chunk(self) -> None:
-        """Feed at most ``prefill_chunk`` prompt tokens, oldest request first; completed prompts join the batch."""
+    def _prefill_pieces(self) -> PrefillPieces:
+        """At most ``prefill_chunk`` prompt tokens of the prefilling requests, oldest request first."""
         budget = self.config.prefill_chunk or sum(len(e.state.tokens) for e in self._prefilling)
         batch, counts = [], []
         for e in self._prefilling:
@@ -406,17 +417,27 @@ class Engine:
             counts.append(min(len(e.state.tokens) - e.cache.length, budget))
             batch.append(e)
             budget -= counts[-1]
+        return PrefillPieces([e.state for e in batch], [e.cache for e in batch], counts)
+
+    def _prefill_chunk(self) -> None:
+        """Feed one chunk of prompt in a pass of its own; completed prompts join the batch."""
+        pieces = self._prefill_pieces()
+        batch = self._prefilling[: len(pieces.counts)]
         t0 = time.perf_counter()
         try:
-            complete = prefill(self.target, [e.state for e in batch], [e.cache for e in batch],
-                               self.drafter.target_layer_ids, counts)
+            complete = prefill(self.target, pieces.requests, pieces.caches, self.drafter.target_layer_ids,
+                               pieces.counts)
         except Exception as err:  # noqa: BLE001 - one bad batch must not kill the server
             self._prefilling = self._prefilling[len(batch):]
             self._fail(batch, err)
             self._release_slots(len(batch))
             return
         elapsed = time.perf_counter() - t0
-        self.step_times.add("prefill", sum(counts), elapsed)
+        self.step_times.add("prefill", sum(pieces.counts), elapsed)
+        self._prefilled(batch, pieces.counts, complete, elapsed)
+
+    def _prefilled(self, batch: list[_Active], counts: list[int], complete: list[bool], elapsed: float) -> None:
+        """After a pass fed ``batch``'s pieces: completed prompts join the batch with their first token."""
         done = [e for e, c in zip(batch, complete) if c]
         self._prefilling = [e for e, c in zip(batch, complete) if not c] + self._prefilling[len(batch):]
         self._active.extend(done)
@@ -431,18 +452,22 @@ class Engine:
                 self._count(e.state.finish_reason)
         self._retire()
 
-    def _step(self) -> None:
+    def _step(self, with_prefill: bool = False) -> None:
+        """One speculative step over the active batch; ``with_prefill``: a chunk of prompt in the same pass."""
         batch = self._active
+        pieces = self._prefill_pieces() if with_prefill else None
+        fed = self._prefilling[: len(pieces.counts)] if pieces is not None else []
         t0 = time.perf_counter()
         try:
             outcomes, timings = speculative_step(
                 self.target, self.drafter, [a.state for a in batch], [a.cache for a in batch],
-                self.policy, self.config.draft_cap,
+                self.policy, self.config.draft_cap, prefill=pieces,
             )
         except Exception as err:  # noqa: BLE001 - fail this batch, keep the server up
-            self._fail(batch, err)
+            self._prefilling = self._prefilling[len(fed):]
+            self._fail(batch + fed, err)
             self._active = []
-            self._release_slots(len(batch))
+            self._release_slots(len(batch) + len(fed))
             return
         verified = accepted = committed = emitted = 0
         for a, o in zip(batch, outcomes):
@@ -458,7 +483,11 @@ class Engine:
                 a.handle._emit(StreamEvent(list(o.new_tokens), a.state.finish_reason if a.state.finished else None))
             if a.state.finished:
                 self._count(a.state.finish_reason)
-        self.step_times.add("verify", len(batch) + verified, time.perf_counter() - t0)
+        elapsed = time.perf_counter() - t0
+        if pieces is None:
+            self.step_times.add("verify", len(batch) + verified, elapsed)
+        else:
+            self.step_times.add("mixed", len(batch) + verified + sum(pieces.counts), elapsed)
         with self._cv:
             st = self._stats
             st.steps += 1
@@ -469,6 +498,8 @@ class Engine:
             st.generation_tokens += emitted
             st.draft_seconds += timings.draft_s
             st.verify_seconds += timings.verify_s
+        if pieces is not None:  # the pass's time is the step's (verify_seconds); the prompt tokens are counted here
+            self._prefilled(fed, pieces.counts, timings.prefill_complete, 0.0)
         self._retire()
 
     def _retire(self) -> None:

@@ -55,13 +55,14 @@ class StepTimes:
     """Wall seconds of the engine's passes by batch tokens: the SPS table of the machine as the real load saw it.
 
     ``verify``: one engine step (draft + policy + verify pass + host work) keyed by its batch tokens
-    B = sum_r (1 + l_r) (paper §3.2.2); ``prefill``: one chunked-prefill pass keyed by its prompt tokens. The
+    B = sum_r (1 + l_r) (paper §3.2.2); ``prefill``: one chunked-prefill pass keyed by its prompt tokens;
+    ``mixed``: a step that fed a chunk of prompt in its pass, keyed by B + the chunk's tokens. The
     newest ``keep`` durations per key are kept, so a long-running server holds bounded memory. ``table`` turns
     them into an SGLang-format ``SPSTable`` (1 / median seconds per observed B), which ``dspark simulate`` and
     the verify policies read like a profiled one (docs/serving/simulator-validation.md).
     """
 
-    KINDS = ("verify", "prefill")
+    KINDS = ("verify", "prefill", "mixed")
 
     def __init__(self, keep: int = 256) -> None:
         self.keep = keep

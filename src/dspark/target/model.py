@@ -130,11 +130,14 @@ class TargetModel:
         seq_lens: list[int],
         caches: list[KVCache] | None,
         capture_layers: list[int] | None = None,
-        logits_for: str = "all",  # "all" | "last" (last token of each request) | "none"
+        # "all" | "last" (last token of each request) | "none" | (M,) int64 rows whose logits to compute
+        logits_for: str | torch.Tensor = "all",
     ) -> TargetOutput:
         input_ids = input_ids.to(self.device, non_blocking=True)  # callers build ids on the host
         last_hidden, features = self.model.model(input_ids, seq_lens, caches, capture_layers)
-        if logits_for == "all":
+        if isinstance(logits_for, torch.Tensor):
+            logits = self.model.logits(last_hidden[logits_for.to(last_hidden.device)])
+        elif logits_for == "all":
             logits = self.model.logits(last_hidden)
         elif logits_for == "last":
             ends = torch.tensor(seq_lens, device=last_hidden.device).cumsum(0) - 1  # (R,)
