@@ -53,6 +53,9 @@ def test_greedy_verify_commits_the_argmax_after_the_last_accepted_draft():
     assert greedy_verify(logits, [3], torch.tensor([[7, 3]])) == ([1], [[7, 8]])
     assert greedy_verify(logits, [3], torch.tensor([[3, 8]])) == ([0], [[7]])
     assert greedy_verify(logits[:1], [1], None) == ([0], [[7]])
+    tied = torch.zeros(1, V, dtype=torch.bfloat16)
+    tied[0, 30] = tied[0, 12] = 2.0  # the first of tied maxima, as argmax and the one-hot target take it
+    assert greedy_verify(tied, [1], None) == ([0], [[12]])
 
 
 def test_a_request_gets_the_same_result_alone_and_in_a_mixed_batch():
