@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dspark.drafters.base import Drafter, RequestState
+from dspark.drafters.base import DraftBlock, Drafter, RequestState
 from dspark.generation.context_features import append_context_features
 from dspark.modeling.kv_cache import KVCache
 from dspark.sampling.processing import logits_to_probs, logits_to_probs_rows, sample_from_probs
@@ -181,12 +181,16 @@ def greedy_verify(
     return accepted, committed
 
 
+def _token_rows(starts: list[int], requests: list[int]) -> torch.Tensor:  # (M,) the requests' rows of the batch
+    return torch.cat([torch.arange(starts[r], starts[r + 1]) for r in requests])
+
+
 def _verify(
     logits: torch.Tensor,  # (N, V) verify logits, requests concatenated
     requests: list[RequestState],
     seq_lens: list[int],  # (R,) 1 + verify_len per request
     drafted: torch.Tensor | None,  # (R, K) on the host; None if K = 0
-    block,  # the step's DraftBlock (None when nothing was proposed)
+    block: DraftBlock | None,  # the step's proposal (None when nothing was proposed)
     V: int,
 ) -> tuple[list[int], list[list[int]]]:  # accepted drafts, committed tokens (accepted + recovered/bonus) per request
     """Greedy requests by ``greedy_verify``, the others by ``rejection_sample`` over their own rows (every row of
@@ -201,7 +205,7 @@ def _verify(
         starts.append(starts[-1] + n)
     if greedy:
         rows = greedy if len(greedy) < R else None
-        sub_logits = logits if rows is None else logits[torch.cat([torch.arange(starts[r], starts[r + 1]) for r in rows])]
+        sub_logits = logits if rows is None else logits[_token_rows(starts, rows)]
         sub_drafted = drafted if rows is None or drafted is None else drafted[rows]
         acc, com = greedy_verify(sub_logits, [seq_lens[r] for r in greedy], sub_drafted)
         for r, a, c in zip(greedy, acc, com):
@@ -210,7 +214,7 @@ def _verify(
     if not sampled:
         return accepted, committed
     if len(sampled) < R:
-        logits = logits[torch.cat([torch.arange(starts[r], starts[r + 1]) for r in sampled])]
+        logits = logits[_token_rows(starts, sampled)]
     reqs, lens = [requests[r] for r in sampled], [seq_lens[r] for r in sampled]
     K = max(lens) - 1
     target_probs = _target_probs(logits, reqs, lens, K)  # (S, K+1, V)
