@@ -16,6 +16,9 @@
 #   bash scripts/scale_train.sh depth2-3500      # the depth ablation: DSpark with 2 draft layers (dspark2-3500)
 #   bash scripts/scale_train.sh layer-target-330 # DSpark with the target family's draft layer (dsparktl-330)
 #   bash scripts/scale_train.sh regen            # DSpark and DFlash on the on-policy slices (dspark-regen, dflash-regen)
+#   bash scripts/scale_train.sh regen-cont       # both continued on every slice from dspark-regen / dflash-regen
+#                                                # (CONT_EPOCHS=1 pass, CONT_LR=3e-4 peak, fresh optimizer and schedule;
+#                                                # KINDS="dspark" continues DSpark only)
 set -euo pipefail
 DSPARK=${DSPARK:-.venv/bin/dspark}
 R=${R:-runs/scale}
@@ -71,6 +74,19 @@ for p in "${points[@]}"; do
     n=${p#depth2-}
     train "dspark2-$n" smollm2-dspark-markov "$(caches_for "$n")" "$n" --set model.draft_layer=qwen3 \
       --set model.num_draft_layers=2
+    continue
+  fi
+  if [ "$p" = regen-cont ]; then  # warm start: the regen runs continued on the grown set of answers
+    caches=$(caches_for regen)
+    for kind in ${KINDS:-dspark dflash}; do
+      preset=smollm2-dspark-markov; [ $kind = dflash ] && preset=smollm2-dflash
+      init="$R/train/$kind-regen/step_latest"
+      [ -d "$init" ] || { echo "no $init: train the regen point first"; exit 2; }
+      EPOCHS=${CONT_EPOCHS:-1} train "$kind-regen-cont" $preset "$caches" all --set model.draft_layer=qwen3 \
+        --set "data=[]" --set "lr=${CONT_LR:-0.0003}" --set "init_from=$init" &
+      [ "$PROCS" -gt 1 ] && wait
+    done
+    wait
     continue
   fi
   caches=$(caches_for "$p")

@@ -149,6 +149,16 @@ class BatchLayout:
                 R, 1, rows, self.kv_len)
         return self._masks[key]
 
+    def row_bias(self, window: int | None, group: int, dtype: torch.dtype) -> torch.Tensor:  # (R, 1, M, S)
+        """``row_mask`` as the additive mask SDPA turns a boolean one into (0 where a row may attend, -inf
+        elsewhere, in the queries' dtype), built once per forward instead of once per layer and call."""
+        key = ("row bias", window, group, dtype)
+        if key not in self._masks:
+            allowed = self.row_mask(window, group)
+            self._masks[key] = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
+                ~allowed, float("-inf"))
+        return self._masks[key]
+
     def block_bias(self, window: int | None) -> torch.Tensor:  # (B, 1, 1, T, L) float32: 0 = may attend, -inf
         key = ("bias", window)
         if key not in self._masks:
@@ -196,7 +206,9 @@ class BatchLayout:
             values[self.token_req, self.token_row] = v
             return keys.transpose(1, 2), values.transpose(1, 2)
         keys, values = self.pool.keys[layer_idx], self.pool.values[layer_idx]  # (P, Hkv, C, D)
-        slot_of_token = self.slots[self.token_req]  # (N,)
+        if "slot_of_token" not in self._masks:  # once per forward, shared by the layers
+            self._masks["slot_of_token"] = self.slots[self.token_req]  # (N,)
+        slot_of_token = self._masks["slot_of_token"]
         keys[slot_of_token, :, self.positions] = k
         values[slot_of_token, :, self.positions] = v
         return keys, values
@@ -337,7 +349,7 @@ def fused_cpu_attention(
     Hq, T, R = q.shape[1], layout.rows, layout.num_requests
     g = Hq // Hkv
     qf = layout.pad_rows(q).view(R, T, Hkv, g, D).permute(0, 2, 3, 1, 4).reshape(R, Hkv, g * T, D)  # rows (g, t)
-    mask = layout.row_mask(window, g)  # (R, 1, M, S), M = max(g*T, 2)
+    mask = layout.row_bias(window, g, q.dtype)  # (R, 1, M, S), M = max(g*T, 2): 0 or -inf, as SDPA makes of a bool mask
     if qf.shape[2] < mask.shape[2]:  # one row: sent twice
         qf = qf.expand(R, Hkv, 2, D)
     groups = key_groups(layout)

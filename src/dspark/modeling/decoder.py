@@ -18,6 +18,10 @@ of such a step with prepacked bf16 weights on SmolLM2
 (docs/reports/performance-packing.md). ``TargetModel.batch_invariance_holds`` checks the
 property on the model itself.
 
+Fused CPU kernels (``cpu_kernels``, bfloat16 decoding in the fused layout): each layer's RMSNorms, RoPE, residual
+adds and SiLU product run as four C loops (``dspark.modeling.cpu_kernels``) instead of about thirty torch ops,
+the residual add and the next layer's norm in one pass; the same rounding as the torch ops, row by row.
+
 Shapes: N = tokens in the batch, H = hidden size, V = vocabulary,
 F = len(capture_layers) * H.
 """
@@ -27,6 +31,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dspark.modeling import cpu_kernels
 from dspark.modeling.attention import BatchLayout, attend_parts, plan_attention
 from dspark.modeling.kv_cache import KVCache, KVPool
 from dspark.modeling.layers import DecoderLayer, RMSNorm, Rope
@@ -56,6 +61,17 @@ class Decoder(nn.Module):
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.norm_offset)
         self.batch_invariant = False  # run a lone row as two (see the module docstring)
         self.attention = "batched"  # or "per-request": the reference loop (benchmarks)
+        self.cpu_kernels = False  # bf16 rows without gradients through dspark.modeling.cpu_kernels (use_cpu_kernels)
+
+    def use_cpu_kernels(self, on: bool = True) -> bool:
+        """Turn the fused CPU kernels on where this model can take them (the fused layout, plain RMSNorms, SiLU,
+        no q/k norms or sandwich norms) and they are built here; returns whether they are on."""
+        s = self.spec
+        fits = (s.norm_offset == 0 and not s.sandwich_norms and s.hidden_act == "silu" and not s.qk_norm
+                and all(layer.self_attn.qkv_proj is not None and layer.mlp.gate_up_proj is not None
+                        for layer in self.layers))
+        self.cpu_kernels = bool(on and fits and cpu_kernels.available())
+        return self.cpu_kernels
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # (N,) -> (N, H)
         x = self.embed_tokens(input_ids)
@@ -81,28 +97,41 @@ class Decoder(nn.Module):
         N = input_ids.shape[0]
         pad = self.batch_invariant and N == 1  # the dense layers see 2 rows, attention the real one
         if pad:
-            input_ids, positions = input_ids.repeat(2), positions.repeat(2)
+            input_ids, positions = input_ids.expand(2).contiguous(), positions.expand(2).contiguous()  # the row twice
         x = self.embed(input_ids)  # (N, H), (2, H) when padded
         rope = Rope(positions)  # cos/sin once per forward, shared by the layers
         captured: dict[int, torch.Tensor] = {}
         want = set(capture_layers or ())
+        fused = (self.cpu_kernels and x.dtype == torch.bfloat16 and x.device.type == "cpu"
+                 and not torch.is_grad_enabled())
+        if fused:  # h: the normed input of the next layer, x: the residual stream
+            norm = self.layers[0].input_layernorm
+            h = cpu_kernels.rms_norm(x, norm.weight, norm.eps)
         for layer_idx, layer in enumerate(self.layers):
             attn = layer.self_attn
-            q, k, v = layer.pre_attention(x, rope.for_layer(attn, x.dtype))  # (N, Hq, D), (N, Hkv, D) x2
+            if fused:
+                q, k, v = attn.project_qkv_fused(h, rope.for_layer(attn, x.dtype))
+            else:
+                q, k, v = layer.pre_attention(x, rope.for_layer(attn, x.dtype))  # (N, Hq, D), (N, Hkv, D) x2
             if pad:
                 q, k, v = q[:N], k[:N], v[:N]
             if per_request:
                 attn_out = attend_per_request(attn, layer_idx, q, k, v, layout, caches)
             else:
                 attn_out = attend_parts(parts, layer_idx, q, k, v, attn.scale, attn.window, attn.softcap)
-            x = layer.post_attention(x, attn_out.repeat(2, 1) if pad else attn_out)  # attn_out (N, Hq*D)
+            attn_out = attn_out.expand(2, -1).contiguous() if pad else attn_out  # (N, Hq*D); expand: repeat is slow
+            if fused:
+                following = self.layers[layer_idx + 1].input_layernorm if layer_idx + 1 < len(self.layers) else self.norm
+                x, h = layer.post_attention_fused(x, attn_out, following)
+            else:
+                x = layer.post_attention(x, attn_out)
             if layer_idx in want:
                 captured[layer_idx] = x[:N]
         if caches is not None:
             for cache, n in zip(caches, seq_lens):
                 cache.length += n
         features = torch.cat([captured[i] for i in capture_layers], dim=-1) if capture_layers else None
-        return self.norm(x[:N]), features
+        return (h[:N] if fused else self.norm(x[:N])), features
 
 
 def attend_per_request(
@@ -142,7 +171,7 @@ class CausalLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (N, H) -> (N, V)
         if self.model.batch_invariant and hidden.shape[0] == 1:
-            out = self.lm_head(hidden.repeat(2, 1))[:1]
+            out = self.lm_head(hidden.expand(2, -1).contiguous())[:1]
         else:
             out = self.lm_head(hidden)
         if self.spec.final_softcap:

@@ -162,6 +162,19 @@ class Attention(nn.Module):
         q, k, v = self.qkv_proj(x).split([self.num_heads * self.head_dim, kv, kv], dim=-1)
         return (self._finish_q(q, positions), *self._finish_kv(k, v, positions))
 
+    def project_qkv_fused(
+        self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]  # (N, H) normed, (N, 1, D) x2 bf16
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # q (N, Hq, D), k and v (N, Hkv, D): views of one buffer
+        """``project_qkv`` through the fused CPU kernels: one projection, RoPE in place on its q and k heads."""
+        from dspark.modeling import cpu_kernels
+
+        N, Hq, Hkv, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)  # (N, (Hq + 2 Hkv) D)
+        cos, sin = (t.reshape(N, D) for t in cos_sin)
+        cpu_kernels.rope_(qkv, cos, sin, Hq + Hkv, D)
+        q, k, v = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
+        return q.view(N, Hq, D), k.view(N, Hkv, D), v.view(N, Hkv, D)
+
     def _cos_sin(self, positions: RopeInput) -> tuple[torch.Tensor, torch.Tensor]:  # (N, 1, D) x2
         return rope_tables(positions, self.inv_freq) if isinstance(positions, torch.Tensor) else positions
 
@@ -229,6 +242,18 @@ class DecoderLayer(nn.Module):
     def post_attention(self, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:  # (N, H), (N, Hq*D)
         """Output projection, both residual branches and the MLP: the dense part after attention."""
         return self.mlp_residual(self.attn_residual(x, attn_out))
+
+    def post_attention_fused(
+        self, x: torch.Tensor, attn_out: torch.Tensor, following: RMSNorm  # (N, H), (N, Hq*D)
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # x after the layer (N, H), following(x) (N, H)
+        """``post_attention`` through the fused CPU kernels, ending with the norm that reads the result (the next
+        layer's input norm, or the final norm): each residual add and the norm after it are one pass."""
+        from dspark.modeling import cpu_kernels
+
+        norm = self.post_attention_layernorm
+        x, h = cpu_kernels.add_rms_norm(x, self.self_attn.o_proj(attn_out), norm.weight, norm.eps)
+        mlp = self.mlp.down_proj(cpu_kernels.silu_mul(self.mlp.gate_up_proj(h)))
+        return cpu_kernels.add_rms_norm(x, mlp, following.weight, following.eps)
 
     def attn_residual(self, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """Add the attention branch (after o_proj) to the residual stream."""

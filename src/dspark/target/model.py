@@ -263,6 +263,8 @@ def load_target(name_or_path: str, dtype: torch.dtype = torch.float32, tokenizer
         fuse_projections(model.model.layers)
         if pack:  # CPU: weights reordered once for oneDNN (modeling/packed.py); elsewhere a no-op
             pack_linears(model)
+            if model.lm_head.weight.device.type == "cpu":  # bf16 rows through fused C kernels (modeling/cpu_kernels.py)
+                model.model.use_cpu_kernels()
     tok = load_tokenizer(folder) if tokenizer else None
     if tok is not None and len(tok) > spec.vocab_size:
         raise ModelLoadError(f"tokenizer has {len(tok)} tokens but the model's vocabulary is {spec.vocab_size}")

@@ -1,0 +1,125 @@
+"""The fused CPU kernels (dspark.modeling.cpu_kernels) against the torch ops they replace, and the decoder with them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dspark.modeling import cpu_kernels
+from dspark.modeling.layers import RMSNorm, rope_tables, rotate
+from dspark.modeling.packed import pack_linears
+from dspark.modeling.layers import fuse_projections
+from tests.tiny import tiny_target
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler here: the torch ops run")
+
+BF16_STEP = 2.0**-7  # one bf16 step, relative
+
+
+def _bf16(*shape, scale=1.0, seed=0):
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(torch.bfloat16)
+
+
+def _close_in_bf16(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Equal but for rare elements one bf16 step apart (another summation order, another exp)."""
+    exact = (got == want).float().mean().item()
+    assert exact > 0.999, exact
+    rel = ((got.float() - want.float()).abs() / want.float().abs().clamp_min(1e-6)).max().item()
+    assert rel <= 2 * BF16_STEP, rel
+
+
+def _norm(dim: int, seed: int = 1) -> RMSNorm:
+    norm = RMSNorm(dim, 1e-5)
+    norm.weight.data = torch.randn(dim, generator=torch.Generator().manual_seed(seed)) * 0.5 + 1
+    return norm.to(torch.bfloat16)
+
+
+def test_rms_norm_and_the_fused_residual_add_round_as_the_torch_ops():
+    norm = _norm(576)
+    x, branch = _bf16(300, 576, scale=3), _bf16(300, 576, seed=1)
+    _close_in_bf16(cpu_kernels.rms_norm(x, norm.weight, norm.eps), norm(x))
+    total, normed = cpu_kernels.add_rms_norm(x, branch, norm.weight, norm.eps)
+    assert torch.equal(total, x + branch)  # the add rounds once, as torch's bf16 add
+    _close_in_bf16(normed, norm(x + branch))
+
+
+def test_silu_mul_is_silu_of_the_gate_times_the_up_half():
+    gate_up = _bf16(200, 2 * 1536, scale=4)
+    gate, up = gate_up.chunk(2, dim=-1)
+    _close_in_bf16(cpu_kernels.silu_mul(gate_up), F.silu(gate) * up)
+    extreme = torch.tensor([[-100.0, -20.0, 0.0, 20.0, 100.0, 1.0, 1.0, 1.0, 1.0, 1.0]]).to(torch.bfloat16)
+    got = cpu_kernels.silu_mul(extreme)  # exp clamped where it would overflow: no inf, no NaN
+    assert torch.isfinite(got.float()).all()
+    assert torch.equal(got, F.silu(extreme[:, :5]) * extreme[:, 5:])
+
+
+def test_rope_rotates_q_and_k_heads_in_place_bitwise_as_torch_and_leaves_v():
+    N, Hq, Hkv, D = 40, 9, 3, 64
+    qkv = _bf16(N, (Hq + 2 * Hkv) * D)
+    inv_freq = 1.0 / (100000.0 ** (torch.arange(0, D, 2).float() / D))
+    cos, sin = (t.to(torch.bfloat16) for t in rope_tables(torch.arange(N) + 500, inv_freq))  # (N, 1, D) x2
+    want_q = rotate(qkv[:, : Hq * D].reshape(N, Hq, D), cos, sin)
+    want_k = rotate(qkv[:, Hq * D : (Hq + Hkv) * D].reshape(N, Hkv, D), cos, sin)
+    got = cpu_kernels.rope_(qkv.clone(), cos.reshape(N, D), sin.reshape(N, D), Hq + Hkv, D)
+    assert torch.equal(got[:, : Hq * D].reshape(N, Hq, D), want_q)
+    assert torch.equal(got[:, Hq * D : (Hq + Hkv) * D].reshape(N, Hkv, D), want_k)
+    assert torch.equal(got[:, (Hq + Hkv) * D :], qkv[:, (Hq + Hkv) * D :])
+
+
+def test_a_row_gets_the_same_bits_alone_and_in_a_batch():
+    norm = _norm(96)
+    x, branch, gate_up = _bf16(33, 96, scale=2), _bf16(33, 96, seed=2), _bf16(33, 2 * 80, seed=3, scale=3)
+    batch = (cpu_kernels.rms_norm(x, norm.weight, norm.eps), *cpu_kernels.add_rms_norm(x, branch, norm.weight, norm.eps),
+             cpu_kernels.silu_mul(gate_up))
+    for r in (0, 17, 32):
+        alone = (cpu_kernels.rms_norm(x[r : r + 1], norm.weight, norm.eps),
+                 *cpu_kernels.add_rms_norm(x[r : r + 1], branch[r : r + 1], norm.weight, norm.eps),
+                 cpu_kernels.silu_mul(gate_up[r : r + 1]))
+        assert all(torch.equal(a[0], b[r]) for a, b in zip(alone, batch))
+
+
+def test_the_kernels_refuse_what_they_cannot_read():
+    with pytest.raises(ValueError, match="bfloat16"):
+        cpu_kernels.rms_norm(torch.randn(2, 8), torch.ones(8), 1e-6)
+    with pytest.raises(ValueError, match="contiguous"):
+        cpu_kernels.silu_mul(_bf16(8, 4).t())
+
+
+def _decoding_tiny(**overrides):
+    target = tiny_target(seed=3, **overrides)
+    target.model.to(torch.bfloat16)
+    fuse_projections(target.model.model.layers)
+    pack_linears(target.model)
+    return target
+
+
+def test_the_decoder_with_kernels_computes_what_it_computes_without():
+    target = _decoding_tiny()
+    assert target.model.model.use_cpu_kernels()
+    ids = torch.randint(0, 96, (3 * 20,), generator=torch.Generator().manual_seed(0))
+    out = {}
+    for on in (False, True):
+        target.model.model.cpu_kernels = on
+        caches = [target.new_cache(64) for _ in range(3)]
+        prefill = target.forward(ids, [20] * 3, caches, capture_layers=[1, 3])
+        step = target.forward(ids[:3], [1] * 3, caches, capture_layers=[1, 3])
+        out[on] = (prefill, step)
+    for a, b in zip(out[False], out[True]):
+        torch.testing.assert_close(b.logits.float(), a.logits.float(), atol=0.1, rtol=0.02)
+        torch.testing.assert_close(b.features.float(), a.features.float(), atol=0.05, rtol=0.02)
+        assert (a.logits.argmax(-1) == b.logits.argmax(-1)).float().mean() > 0.9
+
+
+def test_a_one_token_step_gives_the_row_a_verify_block_gives_with_the_kernels():
+    target = _decoding_tiny()
+    target.model.model.use_cpu_kernels()
+    target.model.model.batch_invariant = True
+    assert target.model.model.cpu_kernels and target.batch_invariance_holds(rows=8, prompt_len=12)
+
+
+def test_models_the_kernels_do_not_cover_keep_the_torch_ops():
+    gemma_like = _decoding_tiny(model_type="gemma")  # norm offset, gelu: not what the kernels compute
+    assert not gemma_like.model.model.use_cpu_kernels()
+    plain = tiny_target(seed=3)  # q/k/v not fused: the decoding layout only
+    assert not plain.model.model.use_cpu_kernels()
