@@ -123,3 +123,20 @@ def test_models_the_kernels_do_not_cover_keep_the_torch_ops():
     assert not gemma_like.model.model.use_cpu_kernels()
     plain = tiny_target(seed=3)  # q/k/v not fused: the decoding layout only
     assert not plain.model.model.use_cpu_kernels()
+
+
+def test_without_a_working_compiler_decoding_keeps_the_torch_ops_with_one_warning(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(cpu_kernels, "_tried", False)
+    monkeypatch.setattr(cpu_kernels, "_lib", None)
+    monkeypatch.setenv("DSPARK_HOME", str(tmp_path))  # nothing built there yet
+    monkeypatch.setenv("CC", "false")  # a compiler that fails
+    assert cpu_kernels.load() is None and not cpu_kernels.available()
+    assert "fused CPU kernels unavailable" in capsys.readouterr().err
+    target = _decoding_tiny()
+    assert not target.model.model.use_cpu_kernels()  # the decoder stays on the torch ops
+    monkeypatch.setattr(cpu_kernels, "_tried", False)
+    monkeypatch.setenv("DSPARK_CPU_KERNELS", "0")
+    monkeypatch.setenv("DSPARK_HOME", str(tmp_path / "off"))
+    monkeypatch.delenv("CC")
+    assert cpu_kernels.load() is None  # turned off: not even built
+    assert not (tmp_path / "off").exists()

@@ -27,6 +27,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -160,8 +161,10 @@ def _build(target: Path) -> None:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         src, lib = Path(tmp) / "kernels.c", Path(tmp) / "kernels.so"
         src.write_text(_SOURCE)
-        flags = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fPIC", "-shared", "-fno-math-errno",
+        flags = ["-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno",
                  "-fno-trapping-math"]  # loops with selects and conversions vectorise; no result changes
+        if platform.machine().lower() in ("x86_64", "amd64"):
+            flags.append("-mprefer-vector-width=512")  # AVX-512 where the CPU has it (x86 compilers only)
         done = subprocess.run([cc, *flags, str(src), "-o", str(lib), "-lm"], capture_output=True, text=True)
         if done.returncode != 0:
             raise OSError(f"{cc} failed: {done.stderr.strip()[-500:]}")
