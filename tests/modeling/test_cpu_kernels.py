@@ -7,9 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from dspark.modeling import cpu_kernels
-from dspark.modeling.layers import RMSNorm, rope_tables, rotate
+from dspark.modeling.layers import RMSNorm, fuse_projections, rope_tables, rotate
 from dspark.modeling.packed import pack_linears
-from dspark.modeling.layers import fuse_projections
 from tests.tiny import tiny_target
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler here: the torch ops run")

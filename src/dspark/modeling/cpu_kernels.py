@@ -2,9 +2,8 @@
 
 Between its matmuls a decoder layer runs a dozen small torch operations (RMSNorm alone is six, RoPE five per
 tensor, the residual adds, SiLU and the gate product), each a dispatch, an allocation and a pass over memory that
-converts bf16 to float and back. On this CPU they cost about as much as the linears of a one-token step and half
-of a prefill (docs/reports/cpu-kernels.md, ``scripts/cpu_kernels.py``). These kernels do the same arithmetic in one
-loop per row, in C compiled at first use with the system's C compiler (``cc -O3 -march=native``, cached under
+converts bf16 to float and back (what fusing them gains: docs/reports/cpu-kernels.md, ``scripts/cpu_kernels.py``).
+These kernels do the same arithmetic in one loop per row, in C compiled at first use with the system's C compiler (``cc -O3 -march=native``, cached under
 ``~/.cache/dspark/kernels``) and called through ctypes, which releases the GIL during the call:
 
 - ``rms_norm(x, w)`` and ``add_rms_norm(x, branch, w)`` (the residual add and the next norm in one pass),

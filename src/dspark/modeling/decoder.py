@@ -19,7 +19,7 @@ of such a step with prepacked bf16 weights on SmolLM2
 property on the model itself.
 
 Fused CPU kernels (``cpu_kernels``, bfloat16 decoding in the fused layout): each layer's RMSNorms, RoPE, residual
-adds and SiLU product run as four C loops (``dspark.modeling.cpu_kernels``) instead of about thirty torch ops,
+adds and SiLU product run as four C loops (``dspark.modeling.cpu_kernels``) instead of a chain of small torch ops,
 the residual add and the next layer's norm in one pass; the same rounding as the torch ops, row by row.
 
 Shapes: N = tokens in the batch, H = hidden size, V = vocabulary,

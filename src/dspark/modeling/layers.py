@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dspark.modeling import cpu_kernels
 from dspark.modeling.spec import DecoderSpec, RopeSpec
 
 
@@ -166,8 +167,6 @@ class Attention(nn.Module):
         self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]  # (N, H) normed, (N, 1, D) x2 bf16
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # q (N, Hq, D), k and v (N, Hkv, D): views of one buffer
         """``project_qkv`` through the fused CPU kernels: one projection, RoPE in place on its q and k heads."""
-        from dspark.modeling import cpu_kernels
-
         N, Hq, Hkv, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)  # (N, (Hq + 2 Hkv) D)
         cos, sin = (t.reshape(N, D) for t in cos_sin)
@@ -248,8 +247,6 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:  # x after the layer (N, H), following(x) (N, H)
         """``post_attention`` through the fused CPU kernels, ending with the norm that reads the result (the next
         layer's input norm, or the final norm): each residual add and the norm after it are one pass."""
-        from dspark.modeling import cpu_kernels
-
         norm = self.post_attention_layernorm
         x, h = cpu_kernels.add_rms_norm(x, self.self_attn.o_proj(attn_out), norm.weight, norm.eps)
         mlp = self.mlp.down_proj(cpu_kernels.silu_mul(self.mlp.gate_up_proj(h)))
