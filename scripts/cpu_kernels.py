@@ -1,11 +1,15 @@
 """Time the fused CPU kernels (dspark.modeling.cpu_kernels) against the torch ops they replace, in one process.
 
     PYTHONPATH=src python scripts/cpu_kernels.py [--out docs/reports/cpu-kernels.md] [--steps 20]
+    PYTHONPATH=src python scripts/cpu_kernels.py --compare attention [--out docs/reports/cpu-attention-kernel.md]
 
 The default target (SmolLM2-135M) in the decoding layout, bfloat16, one thread: the median wall time of a plain
-decode step at batch 1, 4, 16 and 32 (every request CONTEXT tokens into its cache) and of a PROMPT-token prefill,
-with ``Decoder.cpu_kernels`` off and on, alternated call by call so that both see the same machine; and the
-greedy agreement of the two paths (the share of 64 greedy tokens, 4 prompts, that both emit alike). Writes a
+decode step at batch 1, 4, 16 and 32 (every request CONTEXT tokens into its cache, or with ``--spread`` contexts
+from CONTEXT/2 to 3*CONTEXT/2 across the batch, as a server's requests are) and of a PROMPT-token prefill, with the
+two paths alternated call by call so that both see the same machine; and the greedy agreement of the two paths
+(the share of 64 greedy tokens, 4 prompts, that both emit alike). ``--compare elementwise`` (default):
+``Decoder.cpu_kernels`` off and on (the attention kernel off in both); ``--compare attention``: the element-wise
+kernels on in both, attention by torch's fused SDPA or by the C kernel (``Decoder.attention_kernel``). Writes a
 Markdown page with the command.
 """
 
@@ -31,27 +35,43 @@ def main() -> None:
     p.add_argument("--context", type=int, default=250, help="tokens in each request's cache for the decode steps")
     p.add_argument("--prompt", type=int, default=250, help="prefill length")
     p.add_argument("--batches", default="1,4,16,32")
+    p.add_argument("--compare", choices=["elementwise", "attention"], default="elementwise",
+                   help="which kernels the two paths differ by")
+    p.add_argument("--spread", action="store_true", help="contexts from CONTEXT/2 to 3*CONTEXT/2 across a batch")
     args = p.parse_args()
     torch.set_num_threads(1)
     if not cpu_kernels.available():
         sys.exit("the fused CPU kernels are not available here (no C compiler, or DSPARK_CPU_KERNELS=0)")
     target = load_decoding_target("smollm2-135m", device="cpu", dtype="bfloat16", tokenizer=False)
     decoder = target.model.model
+    attention_kernel = decoder.attention_kernel
+
+    def use(on: bool) -> None:  # the path under test: off = the baseline
+        if args.compare == "elementwise":
+            decoder.cpu_kernels, decoder.attention_kernel = on, False
+        else:
+            decoder.cpu_kernels, decoder.attention_kernel = True, on and attention_kernel
+
+    if args.compare == "attention" and not attention_kernel:
+        sys.exit("the attention kernel does not take this model here (DSPARK_ATTENTION_KERNEL=0?)")
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(100, 49000, (max(args.context, args.prompt),), generator=gen)
 
     def timed(fn, on: bool) -> float:
-        decoder.cpu_kernels = on
+        use(on)
         t0 = time.perf_counter()
         fn()
         return time.perf_counter() - t0
 
     rows = []
     for R in [int(b) for b in args.batches.split(",")]:
-        caches = {on: [target.new_cache(args.context + 2 * args.steps + 8) for _ in range(R)] for on in (False, True)}
+        contexts = [args.context * (2 * R + 2 * r - R) // (2 * R) if args.spread and R > 1 else args.context
+                    for r in range(R)]  # spread: from CONTEXT/2 up to nearly 3*CONTEXT/2
+        ids = torch.randint(100, 49000, (max(*contexts, args.prompt),), generator=gen)
+        caches = {on: [target.new_cache(max(contexts) + 2 * args.steps + 8) for _ in range(R)] for on in (False, True)}
         for on in (False, True):
-            decoder.cpu_kernels = on
-            target.forward(ids[: args.context].repeat(R), [args.context] * R, caches[on], logits_for="none")
+            use(on)
+            target.forward(torch.cat([ids[:n] for n in contexts]), contexts, caches[on], logits_for="none")
         step_ids = torch.randint(100, 49000, (R,), generator=gen)
         times = {False: [], True: []}
         for i in range(args.steps + 2):
@@ -79,7 +99,7 @@ def main() -> None:
         prompt = torch.randint(100, 49000, (32,), generator=torch.Generator().manual_seed(10 + s))
         texts = {}
         for on in (False, True):
-            decoder.cpu_kernels = on
+            use(on)
             cache = [target.new_cache(128)]
             tok = target.forward(prompt, [32], cache, logits_for="last").logits.argmax(-1)
             out = []
@@ -91,21 +111,35 @@ def main() -> None:
         same += agree
         total += 64
     command = "PYTHONPATH=src python scripts/cpu_kernels.py " + " ".join(sys.argv[1:])
+    if args.compare == "elementwise":
+        title, base, test = "Fused CPU kernels", "torch ops", "kernels"
+        paths = ("`torch ops`: `Decoder.cpu_kernels` off (RMSNorm, RoPE, residual adds, SiLU and the gate product as "
+                 "torch ops); `kernels`: on (src/dspark/modeling/cpu_kernels.py); attention by torch's fused SDPA in "
+                 "both.")
+        why = ("the kernels sum RMSNorm's squares in another order and compute exp with their own polynomial, so a "
+               "norm or SiLU output moves by one bf16 step now and then")
+    else:
+        title, base, test = "The C attention kernel", "SDPA", "C kernel"
+        paths = ("The element-wise kernels on in both; `SDPA`: attention by torch's fused kernel, one call per run "
+                 "of consecutive slots, keys padded to the run's longest request (`fused_cpu_attention`); `C kernel`: "
+                 "`cpu_kernels.attention`, one call for the whole batch, every (token, head) row over its own keys "
+                 "(`Decoder.attention_kernel`).")
+        why = ("the kernel sums scores and weighted values in float32 in its own order and normalises once, so an "
+               "attention output can differ from SDPA's by a bf16 step")
+    spread = (f"contexts from {args.context // 2} to {3 * args.context // 2} tokens across the batch"
+              if args.spread else f"{args.context} tokens in every request's cache")
     page = "\n".join([
-        "# Fused CPU kernels",
+        f"# {title}",
         "",
         f"Written by `{command.strip()}` (torch {torch.__version__}, one thread, bfloat16; median of {args.steps} "
         f"calls per cell, the two paths alternated call by call in one process). SmolLM2-135M in the decoding "
-        f"layout; decode steps with {args.context} tokens in every request's cache, logits for every row. "
-        "`torch ops`: `Decoder.cpu_kernels` off (RMSNorm, RoPE, residual adds, SiLU and the gate product as torch "
-        "ops); `kernels`: on (src/dspark/modeling/cpu_kernels.py).",
+        f"layout; decode steps with {spread}, logits for every row. {paths}",
         "",
-        *markdown_table(["call", "torch ops (ms)", "kernels (ms)", "speed-up"], rows),
+        *markdown_table(["call", f"{base} (ms)", f"{test} (ms)", "speed-up"], rows),
         "",
         f"Greedy agreement: of 4 x 64 greedy tokens after random 32-token prompts, the two paths emit the same first "
-        f"{same} of {total} (a path is one bf16 model; the kernels sum RMSNorm's squares in another order and "
-        "compute exp with their own polynomial, so a norm or SiLU output moves by one bf16 step now and then, and "
-        "a greedy text can leave the other path's at a near-tie). Each path is load-independent on its own "
+        f"{same} of {total} (a path is one bf16 model; {why}, and a greedy text can leave the other path's at a "
+        "near-tie). Each path is load-independent on its own "
         "(tests/modeling/test_cpu_kernels.py, tests/modeling/test_attention.py).",
         "",
     ])

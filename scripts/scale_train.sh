@@ -19,6 +19,8 @@
 #   bash scripts/scale_train.sh regen-cont       # both continued on every slice from dspark-regen / dflash-regen
 #                                                # (CONT_EPOCHS=1 pass, CONT_LR=3e-4 peak, fresh optimizer and schedule;
 #                                                # KINDS="dspark" continues DSpark only)
+#   bash scripts/scale_train.sh regen-next       # the continued runs (*-regen-cont) one pass further on the newest
+#                                                # slice only (*-regen-cont-R3 for slice R3; CONT_LR, KINDS as above)
 set -euo pipefail
 DSPARK=${DSPARK:-.venv/bin/dspark}
 R=${R:-runs/scale}
@@ -84,6 +86,19 @@ for p in "${points[@]}"; do
       [ -d "$init" ] || { echo "no $init: train the regen point first"; exit 2; }
       EPOCHS=${CONT_EPOCHS:-1} train "$kind-regen-cont" $preset "$caches" all --set model.draft_layer=qwen3 \
         --set "data=[]" --set "lr=${CONT_LR:-0.0003}" --set "init_from=$init" &
+      [ "$PROCS" -gt 1 ] && wait
+    done
+    wait
+    continue
+  fi
+  if [ "$p" = regen-next ]; then  # warm start again: the continued runs on the newest slice of answers
+    slice=$(tail -n 1 "$R/regen-slices.tsv" | cut -f1)
+    for kind in ${KINDS:-dspark dflash}; do
+      preset=smollm2-dspark-markov; [ $kind = dflash ] && preset=smollm2-dflash
+      init="$R/train/$kind-regen-cont/step_latest"
+      [ -d "$init" ] || { echo "no $init: run regen-cont first"; exit 2; }
+      EPOCHS=${CONT_EPOCHS:-1} train "$kind-regen-cont-$slice" $preset "[\"$R/features-$slice\"]" all \
+        --set model.draft_layer=qwen3 --set "data=[]" --set "lr=${CONT_LR:-0.0002}" --set "init_from=$init" &
       [ "$PROCS" -gt 1 ] && wait
     done
     wait

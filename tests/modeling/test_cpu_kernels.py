@@ -139,3 +139,117 @@ def test_without_a_working_compiler_decoding_keeps_the_torch_ops_with_one_warnin
     monkeypatch.delenv("CC")
     assert cpu_kernels.load() is None  # turned off: not even built
     assert not (tmp_path / "off").exists()
+
+
+def _attention_reference(q, keys, values, slots, offsets, lo, hi, scale):  # float64, token by token
+    out = []
+    g = q.shape[1] // keys.shape[1]
+    for r in range(len(slots)):
+        for t in range(int(offsets[r]), int(offsets[r + 1])):
+            k = keys[slots[r], :, lo[t]:hi[t]].double().repeat_interleave(g, 0)  # (Hq, n, D)
+            v = values[slots[r], :, lo[t]:hi[t]].double().repeat_interleave(g, 0)
+            w = torch.softmax((q[t].double()[:, None, :] * k).sum(-1) * scale, dim=-1)  # (Hq, n)
+            out.append((w[:, :, None] * v).sum(1).reshape(-1))
+    return torch.stack(out)
+
+
+def _attention_batch(seq_lens, starts, heads, kv_heads, head_dim, window=None, causal=True, seed=0):
+    """Random keys/values in a pool of slots (request r in slot 2r+1: not consecutive) and the kernel's inputs."""
+    R, N = len(seq_lens), sum(seq_lens)
+    q = _bf16(N, heads, head_dim, seed=seed)
+    keys = _bf16(2 * R + 1, kv_heads, 256, head_dim, seed=seed + 1)
+    values = _bf16(2 * R + 1, kv_heads, 256, head_dim, seed=seed + 2)
+    slots = torch.arange(R) * 2 + 1
+    offsets = torch.tensor([0, *torch.tensor(seq_lens).cumsum(0).tolist()])
+    pos = torch.cat([s + torch.arange(n) for n, s in zip(seq_lens, starts)])
+    ends = torch.cat([torch.full((n,), s + n) for n, s in zip(seq_lens, starts)])
+    hi = pos + 1 if causal else ends
+    lo = (pos - window + 1).clamp_min(0) if window else torch.zeros_like(pos)
+    return q, keys, values, slots, offsets, lo, hi
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,window,causal", [
+    (9, 3, 64, None, True), (4, 4, 16, None, True), (8, 2, 128, None, True), (12, 3, 32, 40, True),
+    (6, 3, 64, None, False), (16, 1, 48, None, True),
+])
+def test_the_attention_kernel_is_softmax_attention_over_each_tokens_own_positions(heads, kv_heads, head_dim, window,
+                                                                                  causal):
+    args = _attention_batch([1, 7, 30, 2], [100, 9, 0, 160], heads, kv_heads, head_dim, window, causal)
+    work = cpu_kernels.attention_work(int(args[-1].max()))
+    got = cpu_kernels.attention(*args, scale=head_dim**-0.5, work=work)
+    want = _attention_reference(*args, head_dim**-0.5)
+    assert got.shape == want.shape
+    assert (got.double() - want).abs().max().item() < 4 * BF16_STEP * want.abs().max().item()
+
+
+def test_an_attention_row_gets_the_same_bits_alone_in_a_batch_and_in_prefill_pieces():
+    heads, kv_heads, D = 9, 3, 64
+    q, keys, values, slots, offsets, lo, hi = _attention_batch([1, 8, 33, 3], [70, 20, 0, 200], heads, kv_heads, D)
+    work = cpu_kernels.attention_work(256)
+    batched = cpu_kernels.attention(q, keys, values, slots, offsets, lo, hi, D**-0.5, work)
+    for r in range(4):  # each request alone, and each of its tokens alone
+        a, b = int(offsets[r]), int(offsets[r + 1])
+        alone = cpu_kernels.attention(q[a:b], keys, values, slots[r:r + 1], torch.tensor([0, b - a]), lo[a:b],
+                                      hi[a:b], D**-0.5, work)
+        assert torch.equal(alone, batched[a:b])
+        for t in range(a, b):
+            one = cpu_kernels.attention(q[t:t + 1], keys, values, slots[r:r + 1], torch.tensor([0, 1]), lo[t:t + 1],
+                                        hi[t:t + 1], D**-0.5, work)
+            assert torch.equal(one, batched[t:t + 1])
+    # the 33-token prompt cut into pieces of 5, 16 and 12 tokens, each piece with the other requests
+    a = int(offsets[2])
+    for cut in ([0, 5], [5, 21], [21, 33]):
+        t0, t1 = a + cut[0], a + cut[1]
+        sel = torch.cat([torch.arange(0, 9), torch.arange(t0, t1)])
+        piece = cpu_kernels.attention(q[sel], keys, values, slots[[0, 1, 2]], torch.tensor([0, 1, 9, 9 + t1 - t0]),
+                                      lo[sel], hi[sel], D**-0.5, work)
+        assert torch.equal(piece[9:], batched[t0:t1])
+
+
+def _kernel_tiny():
+    target = _decoding_tiny(head_dim=16)
+    decoder = target.model.model
+    assert decoder.use_cpu_kernels() and decoder.attention_kernel
+    return target
+
+
+def test_the_decoder_with_the_attention_kernel_computes_what_sdpa_computes():
+    target = _kernel_tiny()
+    decoder = target.model.model
+    ids = torch.randint(0, 96, (3 * 20,), generator=torch.Generator().manual_seed(0))
+    out = {}
+    for on in (False, True):
+        decoder.attention_kernel = on
+        caches = [target.new_cache(64) for _ in range(3)]
+        prefill = target.forward(ids, [20] * 3, caches, logits_for="all")
+        step = target.forward(ids[:5], [1, 3, 1], caches, logits_for="all")
+        out[on] = (prefill.logits, step.logits)
+    for a, b in zip(out[False], out[True]):
+        torch.testing.assert_close(b.float(), a.float(), atol=0.1, rtol=0.02)
+        assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9
+
+
+def test_with_the_attention_kernel_a_prompt_in_pieces_among_other_requests_leaves_the_cache_of_a_whole_prompt():
+    target = _kernel_tiny()
+    prompt = torch.randint(0, 96, (41,), generator=torch.Generator().manual_seed(1))
+    other = torch.randint(0, 96, (30,), generator=torch.Generator().manual_seed(2))
+    whole = target.new_cache(64)
+    ref = target.forward(prompt, [41], [whole], logits_for="all").logits
+    pieces, busy = target.new_cache(64), target.new_cache(64)
+    target.forward(other[:20], [20], [busy], logits_for="none")
+    got = []
+    for a, b in ([0, 3], [3, 20], [20, 41]):  # each piece in one pass with another request's decode step
+        out = target.forward(torch.cat([other[20 + a % 7 : 21 + a % 7], prompt[a:b]]), [1, b - a], [busy, pieces],
+                             logits_for="all").logits
+        got.append(out[1:])
+    assert torch.equal(torch.cat(got), ref)
+    assert torch.equal(pieces.keys[:, :, :41], whole.keys[:, :, :41])
+    target.model.model.batch_invariant = True
+    assert target.batch_invariance_holds(rows=8, prompt_len=12)
+
+
+def test_the_attention_kernel_leaves_heads_it_cannot_take_to_sdpa(monkeypatch):
+    assert not _decoding_tiny().model.model.attention_kernel  # head dim 8: not a multiple of 16
+    monkeypatch.setenv("DSPARK_ATTENTION_KERNEL", "0")
+    target = _decoding_tiny(head_dim=16)
+    assert target.model.model.use_cpu_kernels() and not target.model.model.attention_kernel

@@ -31,6 +31,10 @@ the same bits whatever the number of rows and however many masked keys pad it, w
 then keeps. float32 matmuls do not (MKL picks kernels by shape), so float32 keeps the block-split path; the tests
 check both paths bitwise. On a GPU the padded block goes to SDPA (fused kernels; no such guarantee).
 
+With the decoder's C kernels on (``Decoder.attention_kernel``) none of the above runs: ``attend_parts(kernel=True)``
+stores the keys as usual and hands the whole batch, prefill pieces included, to ``cpu_kernels.attention`` in one
+call, each token reading positions ``lo .. hi-1`` of its slot (``BatchLayout.kernel_ranges``).
+
 Shapes: R = requests, N = tokens, T = most query rows of one request, B = key blocks read (all
 requests), L = BLOCK, S = padded key length (GPU path), Hq / Hkv = query / KV heads, g = Hq / Hkv,
 D = head dim, P = slots, C = capacity.
@@ -38,11 +42,13 @@ D = head dim, P = slots, C = capacity.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
+from dspark.modeling import cpu_kernels
 from dspark.modeling.kv_cache import BLOCK, KVCache, KVPool
 
 #: most float32 score elements one matmul may produce; longer query blocks are split into row chunks
@@ -180,6 +186,20 @@ class BatchLayout:
             self._masks[key] = allowed
         return self._masks[key]
 
+    def kernel_ranges(self, window: int | None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # (N,), (N,), (R+1,), work
+        """What ``cpu_kernels.attention`` reads, once per forward: the positions lo .. hi-1 each token reads (its
+        mask's allowed keys), the requests' token offsets and the kernel's scratch."""
+        key = ("kernel", window)
+        if key not in self._masks:
+            pos = self.positions  # (N,)
+            hi = pos + 1 if self.causal else self.ends[self.token_req]  # (N,)
+            lo = (pos - window + 1).clamp_min(0) if window is not None else torch.zeros_like(pos)
+            offsets = torch.tensor([0, *itertools.accumulate(self.seq_lens)], dtype=torch.long)  # (R+1,)
+            last = int(hi.max()) if pos.numel() else 0
+            self._masks[key] = (lo.contiguous(), hi.contiguous(), offsets, cpu_kernels.attention_work(last))
+        return self._masks[key]
+
     def pad_rows(self, x: torch.Tensor) -> torch.Tensor:  # (N, ...) -> (R, T, ...)
         R, T = self.num_requests, self.rows
         if self.uniform:
@@ -230,11 +250,13 @@ class AttentionPart:
     layout: BatchLayout
 
 
-def plan_attention(seq_lens: list[int], caches: list[KVCache] | None, device: torch.device) -> list[AttentionPart]:
+def plan_attention(seq_lens: list[int], caches: list[KVCache] | None, device: torch.device,
+                   split_long: bool = True) -> list[AttentionPart]:
     """One part for all requests of at most ``LONG_QUERY`` rows (decode and verify blocks), one part per longer
-    request (prefill pieces). A decode or verify step is always one part: one attention call per layer."""
+    request (prefill pieces). A decode or verify step is always one part: one attention call per layer.
+    ``split_long=False``: one part for everything (the C kernel takes any mix of query lengths)."""
     long = [r for r, n in enumerate(seq_lens) if n > LONG_QUERY]
-    if len(long) == 0 or len(seq_lens) == 1:
+    if len(long) == 0 or len(seq_lens) == 1 or not split_long:
         return [AttentionPart(None, BatchLayout.build(seq_lens, caches, device))]
     offsets = [0]
     for n in seq_lens:
@@ -254,9 +276,15 @@ def plan_attention(seq_lens: list[int], caches: list[KVCache] | None, device: to
 def attend_parts(
     parts: list[AttentionPart], layer_idx: int,
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # (N, Hq, D), (N, Hkv, D) x2
-    scale: float, window: int | None = None, softcap: float | None = None,
+    scale: float, window: int | None = None, softcap: float | None = None, kernel: bool = False,
 ) -> torch.Tensor:  # (N, Hq*D)
-    """Store the layer's new keys/values and attend, one call per part (one in a decode or verify step)."""
+    """Store the layer's new keys/values and attend, one call per part (one in a decode or verify step).
+    ``kernel``: the C kernel (``cpu_kernels.attention``) over one part holding every request."""
+    if kernel:
+        layout = parts[0].layout
+        keys, values = layout.store_and_read(layer_idx, k, v)
+        lo, hi, offsets, work = layout.kernel_ranges(window)
+        return cpu_kernels.attention(q, keys, values, layout.slots, offsets, lo, hi, scale, work)
     if len(parts) == 1 and parts[0].tokens is None:
         keys, values = parts[0].layout.store_and_read(layer_idx, k, v)
         return batched_attention(q, keys, values, parts[0].layout, scale, window, softcap)

@@ -8,12 +8,17 @@ These kernels do the same arithmetic in one loop per row, in C compiled at first
 
 - ``rms_norm(x, w)`` and ``add_rms_norm(x, branch, w)`` (the residual add and the next norm in one pass),
 - ``rope_(qkv, cos, sin)``: RoPE in place on the query and key heads of the fused q/k/v projection's output,
-- ``silu_mul(gate_up)``: ``silu(gate) * up`` of the fused gate/up projection's output.
+- ``silu_mul(gate_up)``: ``silu(gate) * up`` of the fused gate/up projection's output,
+- ``attention(q, keys, values, slots, offsets, lo, hi, scale, work)``: attention of a whole flattened batch over
+  the KV pool in one call, every (token, head) row over exactly its own positions (``Decoder.attention_kernel``;
+  ``DSPARK_ATTENTION_KERNEL=0`` leaves attention to torch's SDPA; docs/reports/cpu-attention-kernel.md).
 
 They round as the torch ops do (every bf16 product and sum rounded to bf16 where torch rounds it; RMSNorm's
 statistics and SiLU in float32), so RoPE, the adds and the products are bitwise torch's; the sum of squares is
 added in another order and ``exp`` is a polynomial of its own, so a norm or a SiLU output moves by one bf16 step
-now and then. Each row is computed alone, whatever the other rows: load independence is kept
+now and then. The attention kernel keeps its scores, softmax and
+weighted sums in float32 and rounds once, so its outputs can differ from SDPA's by a bf16 step. Each row is
+computed alone, whatever the other rows: load independence is kept
 (docs/architecture.md §Making a step cheap). Only bfloat16 rows of a model in the decoding layout without
 gradients take this path (``Decoder.cpu_kernels``); ``DSPARK_CPU_KERNELS=0`` turns it off, and where no compiler
 is found the torch ops run as before (one warning).
@@ -134,7 +139,174 @@ void rope_bf16(uint16_t *x, const uint16_t *cos_, const uint16_t *sin_, int64_t 
     }
   }
 }
+
+typedef float lanes_t __attribute__((vector_size(LANES * sizeof(float))));  /* GCC/Clang vector extension */
+typedef int32_t lane_ids_t __attribute__((vector_size(LANES * sizeof(int32_t))));
+#if defined(__clang__)
+#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (lane_ids_t){__VA_ARGS__})
+#endif
+
+/* p[l] (LANES partial sums of key l) -> one vector of the LANES keys' sums: a tree of adds, lane i with lane
+   i + LANES/2, then i + LANES/4, ..., the same pairs for every key whatever its place in the tile */
+static inline lanes_t reduce_tile(lanes_t *p) {
+  lanes_t h[LANES / 2], q[LANES / 4], o[LANES / 8];
+  for (int i = 0; i < LANES / 2; i++)  /* key 2i in lanes 0-7, key 2i+1 in lanes 8-15: sums of 2 partials */
+    h[i] = SHUFFLE(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
+         + SHUFFLE(p[2 * i], p[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < LANES / 4; i++)  /* 4 keys, 4 lanes each: lanes (0-3, 4-7) of each half add */
+    q[i] = SHUFFLE(h[2 * i], h[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27)
+         + SHUFFLE(h[2 * i], h[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int i = 0; i < LANES / 8; i++)  /* 8 keys, 2 lanes each */
+    o[i] = SHUFFLE(q[2 * i], q[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29)
+         + SHUFFLE(q[2 * i], q[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return SHUFFLE(o[0], o[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)  /* key l in lane l */
+       + SHUFFLE(o[0], o[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+static inline lanes_t load_bf16(const uint16_t *x) {  /* LANES bf16 -> float lanes */
+  lanes_t f;
+  for (int l = 0; l < LANES; l++) f[l] = bf2f(x[l]);
+  return f;
+}
+
+#define MAX_CHUNKS 8  /* head dim at most MAX_CHUNKS * LANES */
+#define MAX_ROWS 8    /* rows that share a pass over the keys */
+
+/* Attention of the tokens of R requests over their cached keys. Request r's tokens are rows tok[r] .. tok[r + 1] - 1
+   of q (row stride q_stride, hq heads of d, d a multiple of LANES); they read the keys and values of slot slot[r]
+   (strides in elements: slot, head, position; d contiguous), token t the positions lo[t] .. hi[t] - 1. Query head h
+   reads KV head h / (hq / hkv). The (token, head) rows of a request that read one KV head go over its keys a few
+   together (consecutive tokens, up to 24 / (d / LANES) rows: their outputs stay in registers), each key and value
+   converted to float once for them. Each row is still computed alone, the same way whatever the other rows: the
+   score of a key as LANES partial sums over the head dim reduced by one fixed tree, a softmax over the row's own
+   positions with its own maximum, the weighted values added in position order (positions outside the row's range
+   weigh exactly 0, adding nothing), one rounding to bf16 at the end. work: attention_work floats. */
+/* One pass of `rows` rows (first row r0; row = token * g + head in the KV head's group) over the keys they read:
+   rows and chunks constant where it is called, so that the loops over them unroll and the outputs stay in registers */
+static inline __attribute__((always_inline)) void row_group(
+    const uint16_t *q, int64_t q_stride, const uint16_t *kb, const uint16_t *vb, int64_t s_pos, const int64_t *lo,
+    const int64_t *hi, int64_t hq, int64_t g, int64_t kh, int64_t r0, const int64_t rows, const int64_t chunks,
+    float scale, uint16_t *out, float *work) {
+  const int64_t d = chunks * LANES;
+    int64_t ra[MAX_ROWS], rb[MAX_ROWS], A = INT64_MAX, B = 0;
+    lanes_t qv[MAX_ROWS][MAX_CHUNKS];
+    for (int64_t i = 0; i < rows; i++) {
+      int64_t t = (r0 + i) / g, h = kh * g + (r0 + i) % g;
+      ra[i] = lo[t];
+      rb[i] = hi[t];
+      A = ra[i] < A ? ra[i] : A;
+      B = rb[i] > B ? rb[i] : B;
+      for (int64_t c = 0; c < chunks; c++) qv[i][c] = load_bf16(q + t * q_stride + h * d + c * LANES) * scale;
+    }
+    int64_t x0 = A / LANES, x1 = (B + LANES - 1) / LANES, stride = (x1 - x0) * LANES;  /* tiles of positions */
+    float *sc = work - x0 * LANES;  /* the rows' scores, stride apart, indexed by position */
+    for (int64_t x = x0; x < x1; x++) {  /* scores: a tile of keys, each converted once for the rows */
+      lanes_t p[MAX_ROWS][LANES];
+      int on[MAX_ROWS];
+      for (int64_t i = 0; i < rows; i++) on[i] = x * LANES < rb[i] && (x + 1) * LANES > ra[i];
+      for (int l = 0; l < LANES; l++) {
+        int64_t j = x * LANES + l;
+        lanes_t kv[MAX_CHUNKS];
+        for (int64_t c = 0; c < chunks; c++)  /* positions past the rows' end read as 0 (their scores unused) */
+          kv[c] = j < B ? load_bf16(kb + j * s_pos + c * LANES) : (lanes_t){0};
+        for (int64_t i = 0; i < rows; i++) {
+          lanes_t sum = {0};
+          if (on[i])
+            for (int64_t c = 0; c < chunks; c++) sum += qv[i][c] * kv[c];
+          p[i][l] = sum;
+        }
+      }
+      for (int64_t i = 0; i < rows; i++)
+        if (on[i]) {
+          lanes_t s = reduce_tile(p[i]);
+          memcpy(sc + i * stride + x * LANES, &s, sizeof s);
+        }
+    }
+    float total[MAX_ROWS];
+    for (int64_t i = 0; i < rows; i++) {  /* softmax of each row over its own positions */
+      float *s = sc + i * stride + ra[i];
+      int64_t n = rb[i] - ra[i], j = 0;
+      lanes_t sv = {0}, x;
+      float mv[LANES];
+      for (int l = 0; l < LANES; l++) mv[l] = -INFINITY;
+      for (; j + LANES <= n; j += LANES)  /* the maximum (exact in any order), LANES at a time */
+        for (int l = 0; l < LANES; l++) mv[l] = s[j + l] > mv[l] ? s[j + l] : mv[l];
+      float m = -INFINITY, sum = 0.0f;
+      for (int l = 0; l < LANES; l++) m = mv[l] > m ? mv[l] : m;
+      for (; j < n; j++) m = s[j] > m ? s[j] : m;
+      for (j = 0; j < n; j++) s[j] = fexp(s[j] - m);
+      for (j = 0; j + LANES <= n; j += LANES) {  /* the sum: the row's j-th position in lane j % LANES, a fixed tree */
+        memcpy(&x, s + j, sizeof x);
+        sv += x;
+      }
+      for (; j < n; j++) sum += s[j];
+      float h[LANES];
+      memcpy(h, &sv, sizeof h);
+      for (int w = LANES / 2; w > 0; w /= 2)
+        for (int l = 0; l < w; l++) h[l] += h[l + w];
+      total[i] = sum + h[0];
+    }
+    lanes_t ov[MAX_ROWS][MAX_CHUNKS];
+    for (int64_t i = 0; i < rows; i++)
+      for (int64_t c = 0; c < chunks; c++) ov[i][c] = (lanes_t){0};
+    for (int64_t j = A; j < B; j++) {  /* values: each converted once, added to the rows in position order */
+      lanes_t vv[MAX_CHUNKS];
+      for (int64_t c = 0; c < chunks; c++) vv[c] = load_bf16(vb + j * s_pos + c * LANES);
+      for (int64_t i = 0; i < rows; i++) {
+        float w = j >= ra[i] && j < rb[i] ? sc[i * stride + j] : 0.0f;  /* +0 weight: the sum stays as it is */
+        for (int64_t c = 0; c < chunks; c++) ov[i][c] += w * vv[c];
+      }
+    }
+    for (int64_t i = 0; i < rows; i++) {
+      float inv = total[i] > 0.0f ? 1.0f / total[i] : 0.0f;
+      int64_t t = (r0 + i) / g, h = kh * g + (r0 + i) % g;
+      uint16_t *dst = out + t * hq * d + h * d;
+      for (int64_t c = 0; c < chunks; c++)
+        for (int l = 0; l < LANES; l++) dst[c * LANES + l] = f2bf(ov[i][c][l] * inv);
+    }
+}
+
+static inline __attribute__((always_inline)) void attention_impl(
+    const uint16_t *q, int64_t q_stride, const uint16_t *k, const uint16_t *v, int64_t s_slot, int64_t s_head,
+    int64_t s_pos, const int64_t *slot, const int64_t *tok, const int64_t *lo, const int64_t *hi, int64_t R,
+    int64_t hq, int64_t hkv, const int64_t d, float scale, uint16_t *out, float *work) {
+  const int64_t chunks = d / LANES, g = hq / hkv;
+  const int64_t max_rows = 24 / chunks < 1 ? 1 : (24 / chunks > MAX_ROWS ? MAX_ROWS : 24 / chunks);
+  for (int64_t r = 0; r < R; r++)
+    for (int64_t kh = 0; kh < hkv; kh++) {
+      const uint16_t *kb = k + slot[r] * s_slot + kh * s_head, *vb = v + slot[r] * s_slot + kh * s_head;
+      int64_t first = tok[r] * g, last = tok[r + 1] * g;  /* rows (t, i): t = row / g, head kh * g + row % g */
+      for (int64_t r0 = first; r0 < last; r0 += max_rows) {
+        int64_t rows = last - r0 < max_rows ? last - r0 : max_rows;
+        if (rows == 6 && chunks == 4)  /* d = 64: two tokens of three heads (prefill) */
+          row_group(q, q_stride, kb, vb, s_pos, lo, hi, hq, g, kh, r0, 6, 4, scale, out, work);
+        else if (rows == 3 && chunks == 4)  /* d = 64: a decoding token of three heads */
+          row_group(q, q_stride, kb, vb, s_pos, lo, hi, hq, g, kh, r0, 3, 4, scale, out, work);
+        else if (rows == 3 && chunks == 8)  /* d = 128 */
+          row_group(q, q_stride, kb, vb, s_pos, lo, hi, hq, g, kh, r0, 3, 8, scale, out, work);
+        else
+          row_group(q, q_stride, kb, vb, s_pos, lo, hi, hq, g, kh, r0, rows, chunks, scale, out, work);
+      }
+    }
+}
+
+/* d a multiple of LANES, at most MAX_CHUNKS * LANES; the common head sizes get code of their own (loops unrolled) */
+void attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k, const uint16_t *v, int64_t s_slot,
+                    int64_t s_head, int64_t s_pos, const int64_t *slot, const int64_t *tok, const int64_t *lo,
+                    const int64_t *hi, int64_t R, int64_t hq, int64_t hkv, int64_t d, float scale, uint16_t *out,
+                    float *work) {
+  if (d == 64)
+    attention_impl(q, q_stride, k, v, s_slot, s_head, s_pos, slot, tok, lo, hi, R, hq, hkv, 64, scale, out, work);
+  else if (d == 128)
+    attention_impl(q, q_stride, k, v, s_slot, s_head, s_pos, slot, tok, lo, hi, R, hq, hkv, 128, scale, out, work);
+  else
+    attention_impl(q, q_stride, k, v, s_slot, s_head, s_pos, slot, tok, lo, hi, R, hq, hkv, d, scale, out, work);
+}
 """
+
+_LANES = 16  # LANES of the C source: keys per tile
 
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -191,7 +363,9 @@ def load() -> ctypes.CDLL | None:
     lib.add_rms_norm_bf16.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, f32]
     lib.silu_mul_bf16.argtypes = [ptr, ptr, i64, i64]
     lib.rope_bf16.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64]
-    for fn in (lib.rms_norm_bf16, lib.add_rms_norm_bf16, lib.silu_mul_bf16, lib.rope_bf16):
+    lib.attention_bf16.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32,
+                                   ptr, ptr]
+    for fn in (lib.rms_norm_bf16, lib.add_rms_norm_bf16, lib.silu_mul_bf16, lib.rope_bf16, lib.attention_bf16):
         fn.restype = None
     _lib = lib
     return lib
@@ -239,3 +413,37 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, hea
     _check(x, cos, sin)
     _lib.rope_bf16(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), x.shape[0], x.shape[1], heads, head_dim)
     return x
+
+
+def attention_work(last_key: int) -> torch.Tensor:
+    """The float32 scratch ``attention`` needs when no token reads past position ``last_key``; allocate once per
+    forward and share between the layers."""
+    return torch.empty(8 * (last_key + 2 * _LANES), dtype=torch.float32)  # MAX_ROWS rows of scores
+
+def attention_fits_dim(head_dim: int) -> bool:
+    """Whether ``attention`` takes heads of this size (a multiple of 16, at most 128)."""
+    return head_dim % _LANES == 0 and head_dim <= 8 * _LANES
+
+def attention(
+    q: torch.Tensor,  # (N, Hq, D) bfloat16, rows of requests concatenated; heads contiguous
+    keys: torch.Tensor,  # (P, Hkv, C, D) bfloat16, any strides with D contiguous (the pool, or padded keys)
+    values: torch.Tensor,  # (P, Hkv, C, D), the strides of ``keys``
+    slots: torch.Tensor,  # (R,) int64: the slot each request reads
+    offsets: torch.Tensor,  # (R+1,) int64: request r's tokens are q[offsets[r]:offsets[r+1]]
+    lo: torch.Tensor,  # (N,) int64: each token reads positions lo .. hi-1 of its slot
+    hi: torch.Tensor,  # (N,) int64
+    scale: float,
+    work: torch.Tensor,  # float32 scratch from ``attention_work``
+) -> torch.Tensor:  # (N, Hq*D)
+    """Attention for a flattened batch of variable-length requests in one call, each (token, head) row computed alone:
+    its output does not depend on the other rows, on the batch, or on how a prompt is cut into pieces.
+
+    Called once per layer, so nothing is checked here: bfloat16 CPU tensors, a head dim ``attention_fits_dim`` takes,
+    the heads of ``q`` and the last dim of keys/values contiguous, keys and values with the same strides, contiguous
+    int64 index tensors (``Decoder.use_cpu_kernels`` and ``BatchLayout.kernel_ranges`` see to it)."""
+    N, Hq, D = q.shape
+    out = q.new_empty(N, Hq * D)
+    _lib.attention_bf16(q.data_ptr(), q.stride(0), keys.data_ptr(), values.data_ptr(), keys.stride(0),
+                        keys.stride(1), keys.stride(2), slots.data_ptr(), offsets.data_ptr(), lo.data_ptr(),
+                        hi.data_ptr(), offsets.shape[0] - 1, Hq, keys.shape[1], D, scale, out.data_ptr(), work.data_ptr())
+    return out

@@ -20,13 +20,17 @@ property on the model itself.
 
 Fused CPU kernels (``cpu_kernels``, bfloat16 decoding in the fused layout): each layer's RMSNorms, RoPE, residual
 adds and SiLU product run as four C loops (``dspark.modeling.cpu_kernels``) instead of a chain of small torch ops,
-the residual add and the next layer's norm in one pass; the same rounding as the torch ops, row by row.
+the residual add and the next layer's norm in one pass; the same rounding as the torch ops, row by row. Where the
+head dim suits it (``attention_kernel``), attention too: one C call per layer for every request, prefill pieces
+and decode rows alike (``cpu_kernels.attention``).
 
 Shapes: N = tokens in the batch, H = hidden size, V = vocabulary,
 F = len(capture_layers) * H.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 from torch import nn
@@ -62,6 +66,7 @@ class Decoder(nn.Module):
         self.batch_invariant = False  # run a lone row as two (see the module docstring)
         self.attention = "batched"  # or "per-request": the reference loop (benchmarks)
         self.cpu_kernels = False  # bf16 rows without gradients through dspark.modeling.cpu_kernels (use_cpu_kernels)
+        self.attention_kernel = False  # and their attention through cpu_kernels.attention (use_cpu_kernels)
 
     def use_cpu_kernels(self, on: bool = True) -> bool:
         """Turn the fused CPU kernels on where this model can take them (the fused layout, plain RMSNorms, SiLU,
@@ -71,6 +76,9 @@ class Decoder(nn.Module):
                 and all(layer.self_attn.qkv_proj is not None and layer.mlp.gate_up_proj is not None
                         for layer in self.layers))
         self.cpu_kernels = bool(on and fits and cpu_kernels.available())
+        attn = self.layers[0].self_attn
+        self.attention_kernel = (self.cpu_kernels and attn.softcap is None and cpu_kernels.attention_fits_dim(
+            attn.head_dim) and os.environ.get("DSPARK_ATTENTION_KERNEL", "1") != "0")
         return self.cpu_kernels
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # (N,) -> (N, H)
@@ -92,7 +100,10 @@ class Decoder(nn.Module):
         per_request = self.attention == "per-request" or (
             caches is not None and any(c.pool is not caches[0].pool for c in caches))
         layout = BatchLayout.build(seq_lens, caches, input_ids.device, pooled=False)  # positions for all
-        parts = None if per_request else plan_attention(seq_lens, caches, input_ids.device)
+        fused = (self.cpu_kernels and self.embed_tokens.weight.dtype == torch.bfloat16
+                 and input_ids.device.type == "cpu" and not torch.is_grad_enabled())
+        kernel = fused and not per_request and self.attention_kernel  # every request's attention in one C call
+        parts = None if per_request else plan_attention(seq_lens, caches, input_ids.device, split_long=not kernel)
         positions = layout.positions  # (N,)
         N = input_ids.shape[0]
         pad = self.batch_invariant and N == 1  # the dense layers see 2 rows, attention the real one
@@ -102,8 +113,6 @@ class Decoder(nn.Module):
         rope = Rope(positions)  # cos/sin once per forward, shared by the layers
         captured: dict[int, torch.Tensor] = {}
         want = set(capture_layers or ())
-        fused = (self.cpu_kernels and x.dtype == torch.bfloat16 and x.device.type == "cpu"
-                 and not torch.is_grad_enabled())
         if fused:  # h: the normed input of the next layer, x: the residual stream
             norm = self.layers[0].input_layernorm
             h = cpu_kernels.rms_norm(x, norm.weight, norm.eps)
@@ -118,7 +127,7 @@ class Decoder(nn.Module):
             if per_request:
                 attn_out = attend_per_request(attn, layer_idx, q, k, v, layout, caches)
             else:
-                attn_out = attend_parts(parts, layer_idx, q, k, v, attn.scale, attn.window, attn.softcap)
+                attn_out = attend_parts(parts, layer_idx, q, k, v, attn.scale, attn.window, attn.softcap, kernel)
             attn_out = attn_out.expand(2, -1).contiguous() if pad else attn_out  # (N, Hq*D); expand: repeat is slow
             if fused:
                 following = self.layers[layer_idx + 1].input_layernorm if layer_idx + 1 < len(self.layers) else self.norm
