@@ -420,9 +420,11 @@ def attention_work(last_key: int) -> torch.Tensor:
     forward and share between the layers."""
     return torch.empty(8 * (last_key + 2 * _LANES), dtype=torch.float32)  # MAX_ROWS rows of scores
 
-def attention_fits_dim(head_dim: int) -> bool:
-    """Whether ``attention`` takes heads of this size (a multiple of 16, at most 128)."""
-    return head_dim % _LANES == 0 and head_dim <= 8 * _LANES
+def attention_takes(head_dim: int) -> bool:
+    """Whether ``attention`` serves heads of this size (a multiple of 16, at most 128) here:
+    ``DSPARK_ATTENTION_KERNEL=0`` leaves attention to torch's SDPA."""
+    return (head_dim % _LANES == 0 and head_dim <= 8 * _LANES
+            and os.environ.get("DSPARK_ATTENTION_KERNEL", "1") != "0" and available())
 
 def attention(
     q: torch.Tensor,  # (N, Hq, D) bfloat16, rows of requests concatenated; heads contiguous
@@ -438,7 +440,7 @@ def attention(
     """Attention for a flattened batch of variable-length requests in one call, each (token, head) row computed alone:
     its output does not depend on the other rows, on the batch, or on how a prompt is cut into pieces.
 
-    Called once per layer, so nothing is checked here: bfloat16 CPU tensors, a head dim ``attention_fits_dim`` takes,
+    Called once per layer, so nothing is checked here: bfloat16 CPU tensors, a head dim ``attention_takes``,
     the heads of ``q`` and the last dim of keys/values contiguous, keys and values with the same strides, contiguous
     int64 index tensors (``Decoder.use_cpu_kernels`` and ``BatchLayout.kernel_ranges`` see to it)."""
     N, Hq, D = q.shape

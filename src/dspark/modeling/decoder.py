@@ -30,8 +30,6 @@ F = len(capture_layers) * H.
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
@@ -77,8 +75,7 @@ class Decoder(nn.Module):
                         for layer in self.layers))
         self.cpu_kernels = bool(on and fits and cpu_kernels.available())
         attn = self.layers[0].self_attn
-        self.attention_kernel = (self.cpu_kernels and attn.softcap is None and cpu_kernels.attention_fits_dim(
-            attn.head_dim) and os.environ.get("DSPARK_ATTENTION_KERNEL", "1") != "0")
+        self.attention_kernel = self.cpu_kernels and attn.softcap is None and cpu_kernels.attention_takes(attn.head_dim)
         return self.cpu_kernels
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # (N,) -> (N, H)
