@@ -19,6 +19,8 @@
 #   bash scripts/scale_train.sh regen-cont       # both continued on every slice from dspark-regen / dflash-regen
 #                                                # (CONT_EPOCHS=1 pass, CONT_LR=3e-4 peak, fresh optimizer and schedule;
 #                                                # KINDS="dspark" continues DSpark only)
+#   bash scripts/scale_train.sh regen-all        # from scratch on every slice so far (dspark-regen-R3 / dflash-regen-R3
+#                                                # after slice R3; regen's settings, EPOCHS passes)
 #   bash scripts/scale_train.sh regen-next       # the continued runs (*-regen-cont) one pass further on the newest
 #                                                # slice only (*-regen-cont-R3 for slice R3; CONT_LR, KINDS as above)
 set -euo pipefail
@@ -105,7 +107,8 @@ for p in "${points[@]}"; do
     continue
   fi
   caches=$(caches_for "$p")
-  if [ "$p" = regen ]; then  # the target's own answers (scripts/scale_regen_features.sh): every slice, all of it
+  if [ "$p" = regen ] || [ "$p" = regen-all ]; then  # the target's own answers (scale_regen_features.sh): every slice
+    [ "$p" = regen-all ] && p="regen-$(tail -n 1 "$R/regen-slices.tsv" | cut -f1)" && caches=$(caches_for regen)
     set -- --set "data=[]"  # the draft vocabulary is counted over the caches
     p_n=all
   else
