@@ -19,7 +19,7 @@ of such a step with prepacked bf16 weights on SmolLM2
 property on the model itself.
 
 Fused CPU kernels (``cpu_kernels``, bfloat16 decoding in the fused layout): each layer's RMSNorms, RoPE, residual
-adds and SiLU product run as four C loops (``dspark.modeling.cpu_kernels``) instead of a chain of small torch ops,
+adds and SiLU product run as C loops (``dspark.modeling.cpu_kernels``) instead of a chain of small torch ops,
 the residual add and the next layer's norm in one pass; the same rounding as the torch ops, row by row. Where the
 head dim suits it (``attention_kernel``), attention too: one C call per layer for every request, prefill pieces
 and decode rows alike (``cpu_kernels.attention``).
