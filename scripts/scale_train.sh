@@ -80,6 +80,9 @@ for p in "${points[@]}"; do
       --set model.num_draft_layers=2
     continue
   fi
+  if [[ "$p" == regen* ]] && [ ! -s "$R/regen-slices.tsv" ]; then
+    echo "no slices in $R/regen-slices.tsv: run scripts/scale_regen_features.sh first"; exit 2
+  fi
   if [ "$p" = regen-cont ]; then  # warm start: the regen runs continued on the grown set of answers
     caches=$(caches_for regen)
     for kind in ${KINDS:-dspark dflash}; do

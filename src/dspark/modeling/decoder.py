@@ -96,11 +96,12 @@ class Decoder(nn.Module):
                 cache.reserve(n)  # may grow the pool: before any layer reads it
         per_request = self.attention == "per-request" or (
             caches is not None and any(c.pool is not caches[0].pool for c in caches))
-        layout = BatchLayout.build(seq_lens, caches, input_ids.device, pooled=False)  # positions for all
         fused = (self.cpu_kernels and self.embed_tokens.weight.dtype == torch.bfloat16
                  and input_ids.device.type == "cpu" and not torch.is_grad_enabled())
         kernel = fused and not per_request and self.attention_kernel  # every request's attention in one C call
         parts = None if per_request else plan_attention(seq_lens, caches, input_ids.device, split_long=not kernel)
+        # positions for all (the kernel's one part has them already)
+        layout = parts[0].layout if kernel else BatchLayout.build(seq_lens, caches, input_ids.device, pooled=False)
         positions = layout.positions  # (N,)
         N = input_ids.shape[0]
         pad = self.batch_invariant and N == 1  # the dense layers see 2 rows, attention the real one
