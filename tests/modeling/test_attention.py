@@ -163,6 +163,18 @@ def test_pool_slots_are_reused_and_growth_keeps_the_contents():
     assert pool.slots_in_use == 1  # a alone
 
 
+def test_reserve_sizes_the_pool_in_one_copy_and_keeps_the_contents():
+    pool = KVPool(2, 1, 4, slots=1, capacity=64, max_length=1000)
+    cache = pool.allocate()
+    pool.keys[:, cache.slot, :, :3] = 7.0
+    pool.reserve(5, 130)
+    assert (pool.num_slots, pool.capacity) == (5, 192) and torch.all(pool.keys[:, cache.slot, :, :3] == 7.0)
+    pool.reserve(2, 64)  # never shrinks
+    assert (pool.num_slots, pool.capacity) == (5, 192)
+    pool.reserve(5, 5000)  # capped at the model's context, in whole blocks
+    assert pool.capacity == 1024
+
+
 def test_gradients_through_batched_attention_match_the_per_request_loop():
     """The draft LM trains through this attention: its gradients must be the reference loop's (the block
     maxima are detached, which is exact because the output does not depend on them)."""

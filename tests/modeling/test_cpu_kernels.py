@@ -253,3 +253,32 @@ def test_the_attention_kernel_leaves_heads_it_cannot_take_to_sdpa(monkeypatch):
     monkeypatch.setenv("DSPARK_ATTENTION_KERNEL", "0")
     target = _decoding_tiny(head_dim=16)
     assert target.model.model.use_cpu_kernels() and not target.model.model.attention_kernel
+
+
+def test_prompt_pieces_go_to_torchs_attention_and_decoding_rows_to_the_kernel(monkeypatch):
+    """``prompt_from`` names the prompt pieces of a pass: their rows take torch's fused attention (one path however
+    the prompt is cut), the decoding rows the C kernel (the bits they get alone)."""
+    target = _kernel_tiny()
+    kernel_rows = []
+    attention = cpu_kernels.attention
+    monkeypatch.setattr(cpu_kernels, "attention", lambda q, *a: kernel_rows.append(q.shape[0]) or attention(q, *a))
+    prompt = torch.randint(0, 96, (41,), generator=torch.Generator().manual_seed(1))
+    other = torch.randint(0, 96, (30,), generator=torch.Generator().manual_seed(2))
+    whole = target.new_cache(64)
+    ref = target.forward(prompt, [41], [whole], logits_for="all", prompt_from=0).logits
+    assert kernel_rows == []  # a prompt alone: no kernel call
+    pieces, busy, alone = target.new_cache(64), target.new_cache(64), target.new_cache(64)
+    target.forward(other[:20], [20], [busy], logits_for="none", prompt_from=0)
+    target.forward(other[:20], [20], [alone], logits_for="none", prompt_from=0)
+    got = []
+    for a, b in ([0, 3], [3, 20], [20, 41]):  # each piece in one pass with another request's decode step
+        token = other[20 + a % 7 : 21 + a % 7]
+        kernel_rows.clear()
+        out = target.forward(torch.cat([token, prompt[a:b]]), [1, b - a], [busy, pieces], logits_for="all",
+                             prompt_from=1).logits
+        assert kernel_rows == [1] * len(target.model.model.layers)  # the decoding row only, once per layer
+        solo = target.forward(token, [1], [alone], logits_for="all").logits
+        assert torch.equal(out[:1], solo)
+        got.append(out[1:])
+    assert torch.equal(torch.cat(got), ref)
+    assert torch.equal(pieces.keys[:, :, :41], whole.keys[:, :, :41])

@@ -30,6 +30,22 @@ def test_kv_bytes_per_token_from_the_config():
     assert TargetInfo.of(target).kv_bytes_per_token == target.kv_bytes_per_token  # what the HTTP process logs
     line = kv_cache_line(23_040, 8, 8192)
     assert "23,040 bytes per token" in line and "1.41 GiB" in line  # 8 slots x 8,192 positions x 23,040 B
+    assert "180.0 MiB held from the start" in kv_cache_line(23_040, 8, 8192, 1000)  # 8 x 1,024 positions
+
+
+def test_the_engine_sizes_the_pool_for_its_batch_at_start_and_keeps_it():
+    target = tiny_target()
+    engine = Engine(target, None, None, EngineConfig(max_batch=6, kv_reserve=100))
+    with engine:
+        pool = target.model.kv_pool
+        assert (pool.num_slots, pool.capacity) == (6, 128)  # whole key blocks of 64
+        keys = pool.keys
+        handles = [engine.submit(_prompt(40, i), SamplingParams(0.0, max_new_tokens=8)) for i in range(6)]
+        assert all(h.result(timeout=60)[0] for h in handles)
+        assert target.model.kv_pool.keys is keys  # six requests of 48 positions: never grown
+    unreserved = tiny_target()
+    with Engine(unreserved, None, None, EngineConfig(max_batch=6, kv_reserve=0)):
+        assert unreserved.model.kv_pool is None
 
 
 def _prompt(n: int, seed: int) -> list[int]:

@@ -85,9 +85,9 @@ class _Recorder:
         self._forward = target.forward
         target.forward = self
 
-    def __call__(self, input_ids, seq_lens, caches, capture_layers=None, logits_for="all"):
+    def __call__(self, input_ids, seq_lens, caches, capture_layers=None, logits_for="all", prompt_from=None):
         self.calls.append(("prefill" if logits_for == "last" else "decode", sum(seq_lens)))
-        return self._forward(input_ids, seq_lens, caches, capture_layers, logits_for)
+        return self._forward(input_ids, seq_lens, caches, capture_layers, logits_for, prompt_from)
 
 
 @pytest.mark.parametrize("chunk", [16, None])

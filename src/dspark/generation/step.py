@@ -124,7 +124,7 @@ def prefill(
     if counts is None:
         counts = [len(r.tokens) - c.length for r, c in zip(requests, caches)]
     pieces = PrefillPieces(requests, caches, counts)
-    out = target.forward(pieces.ids(), counts, caches, capture_layers, logits_for="last")
+    out = target.forward(pieces.ids(), counts, caches, capture_layers, logits_for="last", prompt_from=0)
     return pieces.finish(target, out.logits, out.features)
 
 
@@ -283,7 +283,7 @@ def speculative_step(
         lens, all_caches = seq_lens + prefill.counts, caches + prefill.caches
         ends = torch.tensor(prefill.counts).cumsum(0) - 1 + N  # (P,) each piece's last row
         logits_for = torch.cat([torch.arange(N), ends])
-    out = target.forward(ids, lens, all_caches, drafter.target_layer_ids, logits_for=logits_for)
+    out = target.forward(ids, lens, all_caches, drafter.target_layer_ids, logits_for=logits_for, prompt_from=R)
     complete = None
     if prefill is not None and prefill.requests:
         complete = prefill.finish(target, out.logits[N:], None if out.features is None else out.features[N:])

@@ -31,9 +31,10 @@ the same bits whatever the number of rows and however many masked keys pad it, w
 then keeps. float32 matmuls do not (MKL picks kernels by shape), so float32 keeps the block-split path; the tests
 check both paths bitwise. On a GPU the padded block goes to SDPA (fused kernels; no such guarantee).
 
-With the decoder's C kernels on (``Decoder.attention_kernel``) none of the above runs: ``attend_parts(kernel=True)``
-stores the keys as usual and hands the whole batch, prefill pieces included, to ``cpu_kernels.attention`` in one
-call, each token reading positions ``lo .. hi-1`` of its slot (``BatchLayout.kernel_ranges``).
+With the decoder's C kernels on (``Decoder.attention_kernel``) the decode and verify rows of all requests go to
+``cpu_kernels.attention`` in one call per layer instead, each token reading positions ``lo .. hi-1`` of its slot
+(``BatchLayout.kernel_ranges``), while the prompt pieces the caller names (``plan_kernel_attention``'s
+``prompt_from``) keep torch's fused path above, faster on long query blocks.
 
 Shapes: R = requests, N = tokens, T = most query rows of one request, B = key blocks read (all
 requests), L = BLOCK, S = padded key length (GPU path), Hq / Hkv = query / KV heads, g = Hq / Hkv,
@@ -248,15 +249,14 @@ class AttentionPart:
 
     tokens: torch.Tensor | slice | None  # (n,) int64 or a slice of the N tokens
     layout: BatchLayout
+    kernel: bool = False  # through the C kernel (``cpu_kernels.attention``), else torch's path (``batched_attention``)
 
 
-def plan_attention(seq_lens: list[int], caches: list[KVCache] | None, device: torch.device,
-                   split_long: bool = True) -> list[AttentionPart]:
+def plan_attention(seq_lens: list[int], caches: list[KVCache] | None, device: torch.device) -> list[AttentionPart]:
     """One part for all requests of at most ``LONG_QUERY`` rows (decode and verify blocks), one part per longer
-    request (prefill pieces). A decode or verify step is always one part: one attention call per layer.
-    ``split_long=False``: one part for everything (the C kernel takes any mix of query lengths)."""
+    request (prefill pieces). A decode or verify step is always one part: one attention call per layer."""
     long = [r for r, n in enumerate(seq_lens) if n > LONG_QUERY]
-    if len(long) == 0 or len(seq_lens) == 1 or not split_long:
+    if len(long) == 0 or len(seq_lens) == 1:
         return [AttentionPart(None, BatchLayout.build(seq_lens, caches, device))]
     offsets = [0]
     for n in seq_lens:
@@ -273,27 +273,58 @@ def plan_attention(seq_lens: list[int], caches: list[KVCache] | None, device: to
     return parts
 
 
+def plan_kernel_attention(seq_lens: list[int], caches: list[KVCache] | None, device: torch.device,
+                          prompt_from: int | None = None) -> list[AttentionPart]:
+    """The plan with the C kernel on: the decode and verify rows of every request in one kernel part, and the prompt
+    pieces (requests ``prompt_from`` on; None: none) through torch's fused attention, as ``plan_attention`` parts
+    them. On a long query block torch's kernel multiplies whole tiles (oneDNN's bf16 matmuls) and is 1.5x faster
+    per prompt here (docs/reports/cpu-attention-kernel.md §Prompts); the C kernel is faster for the short blocks of
+    decoding. The split is by what a request is, never by its length, so a prompt's rows take one path however it is
+    cut into pieces and a decoding row one path whatever else the pass holds."""
+    R = len(seq_lens)
+    prompt_from = R if prompt_from is None else max(0, min(prompt_from, R))
+    if prompt_from == R:
+        return [AttentionPart(None, BatchLayout.build(seq_lens, caches, device), kernel=True)]
+    n0 = sum(seq_lens[:prompt_from])
+    parts = []
+    if prompt_from:
+        parts.append(AttentionPart(slice(0, n0), BatchLayout.build(
+            seq_lens[:prompt_from], None if caches is None else caches[:prompt_from], device), kernel=True))
+    for part in plan_attention(seq_lens[prompt_from:], None if caches is None else caches[prompt_from:], device):
+        tokens = part.tokens
+        if tokens is None:
+            tokens = slice(n0, n0 + sum(seq_lens[prompt_from:]))
+        elif isinstance(tokens, slice):
+            tokens = slice(tokens.start + n0, tokens.stop + n0)
+        else:
+            tokens = tokens + n0
+        parts.append(AttentionPart(tokens if n0 else part.tokens, part.layout))
+    return parts
+
+
 def attend_parts(
     parts: list[AttentionPart], layer_idx: int,
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # (N, Hq, D), (N, Hkv, D) x2
-    scale: float, window: int | None = None, softcap: float | None = None, kernel: bool = False,
+    scale: float, window: int | None = None, softcap: float | None = None,
 ) -> torch.Tensor:  # (N, Hq*D)
-    """Store the layer's new keys/values and attend, one call per part (one in a decode or verify step).
-    ``kernel``: the C kernel (``cpu_kernels.attention``) over one part holding every request."""
-    if kernel:
-        layout = parts[0].layout
-        keys, values = layout.store_and_read(layer_idx, k, v)
-        lo, hi, offsets, work = layout.kernel_ranges(window)
-        return cpu_kernels.attention(q, keys, values, layout.slots, offsets, lo, hi, scale, work)
+    """Store the layer's new keys/values and attend, one call per part (one in a decode or verify step)."""
     if len(parts) == 1 and parts[0].tokens is None:
         keys, values = parts[0].layout.store_and_read(layer_idx, k, v)
-        return batched_attention(q, keys, values, parts[0].layout, scale, window, softcap)
+        return _attend_part(parts[0], q, keys, values, scale, window, softcap)
     out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
     for part in parts:
         sel = part.tokens
         keys, values = part.layout.store_and_read(layer_idx, k[sel], v[sel])
-        out[sel] = batched_attention(q[sel], keys, values, part.layout, scale, window, softcap)
+        out[sel] = _attend_part(part, q[sel], keys, values, scale, window, softcap)
     return out
+
+
+def _attend_part(part: AttentionPart, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+                 window: int | None, softcap: float | None) -> torch.Tensor:  # (n, Hq*D)
+    if part.kernel:
+        lo, hi, offsets, work = part.layout.kernel_ranges(window)
+        return cpu_kernels.attention(q, keys, values, part.layout.slots, offsets, lo, hi, scale, work)
+    return batched_attention(q, keys, values, part.layout, scale, window, softcap)
 
 
 def batched_attention(

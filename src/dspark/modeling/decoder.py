@@ -21,8 +21,9 @@ property on the model itself.
 Fused CPU kernels (``cpu_kernels``, bfloat16 decoding in the fused layout): each layer's RMSNorms, RoPE, residual
 adds and SiLU product run as C loops (``dspark.modeling.cpu_kernels``) instead of a chain of small torch ops,
 the residual add and the next layer's norm in one pass; the same rounding as the torch ops, row by row. Where the
-head dim suits it (``attention_kernel``), attention too: one C call per layer for every request, prefill pieces
-and decode rows alike (``cpu_kernels.attention``).
+head dim suits it (``attention_kernel``), attention too: one C call per layer for the decode and verify rows of
+every request (``cpu_kernels.attention``); the prompt pieces a caller names (``prompt_from``) keep torch's fused
+attention, faster on long query blocks.
 
 Shapes: N = tokens in the batch, H = hidden size, V = vocabulary,
 F = len(capture_layers) * H.
@@ -34,7 +35,7 @@ import torch
 from torch import nn
 
 from dspark.modeling import cpu_kernels
-from dspark.modeling.attention import BatchLayout, attend_parts, plan_attention
+from dspark.modeling.attention import BatchLayout, attend_parts, plan_attention, plan_kernel_attention
 from dspark.modeling.kv_cache import KVCache, KVPool
 from dspark.modeling.layers import DecoderLayer, RMSNorm, Rope
 from dspark.modeling.spec import DecoderSpec
@@ -90,6 +91,7 @@ class Decoder(nn.Module):
         seq_lens: list[int],  # tokens per request, sums to N
         caches: list[KVCache] | None = None,  # one per request; None = fresh sequences, no cache
         capture_layers: list[int] | None = None,  # layer ids whose outputs to return
+        prompt_from: int | None = None,  # requests from this index on are prompt pieces (None: none)
     ) -> tuple[torch.Tensor, torch.Tensor | None]:  # last_hidden (N, H) final-normed, features (N, F) or None
         if caches is not None:
             for cache, n in zip(caches, seq_lens):
@@ -99,9 +101,15 @@ class Decoder(nn.Module):
         fused = (self.cpu_kernels and self.embed_tokens.weight.dtype == torch.bfloat16
                  and input_ids.device.type == "cpu" and not torch.is_grad_enabled())
         kernel = fused and not per_request and self.attention_kernel  # every request's attention in one C call
-        parts = None if per_request else plan_attention(seq_lens, caches, input_ids.device, split_long=not kernel)
-        # positions for all (the kernel's one part has them already)
-        layout = parts[0].layout if kernel else BatchLayout.build(seq_lens, caches, input_ids.device, pooled=False)
+        if per_request:
+            parts = None
+        elif kernel:  # decoding rows through the C kernel, prompt pieces through torch's fused attention
+            parts = plan_kernel_attention(seq_lens, caches, input_ids.device, prompt_from)
+        else:
+            parts = plan_attention(seq_lens, caches, input_ids.device)
+        # positions for all (a part holding every request has them already)
+        whole = parts is not None and parts[0].tokens is None
+        layout = parts[0].layout if whole else BatchLayout.build(seq_lens, caches, input_ids.device, pooled=False)
         positions = layout.positions  # (N,)
         N = input_ids.shape[0]
         pad = self.batch_invariant and N == 1  # the dense layers see 2 rows, attention the real one
@@ -125,7 +133,7 @@ class Decoder(nn.Module):
             if per_request:
                 attn_out = attend_per_request(attn, layer_idx, q, k, v, layout, caches)
             else:
-                attn_out = attend_parts(parts, layer_idx, q, k, v, attn.scale, attn.window, attn.softcap, kernel)
+                attn_out = attend_parts(parts, layer_idx, q, k, v, attn.scale, attn.window, attn.softcap)
             attn_out = attn_out.expand(2, -1).contiguous() if pad else attn_out  # (N, Hq*D); expand: repeat is slow
             if fused:
                 following = self.layers[layer_idx + 1].input_layernorm if layer_idx + 1 < len(self.layers) else self.norm
@@ -195,6 +203,21 @@ class CausalLM(nn.Module):
                           weight.device)
             self.__dict__["_kv_pool"] = pool  # a plain attribute: not a buffer, never in the state dict
         return pool.allocate(min(capacity, max_length) if max_length is not None else capacity, max_length)
+
+    def reserve_kv(self, slots: int, capacity: int, max_length: int | None = None) -> KVPool:
+        """Size the pool ``new_cache`` allocates from for ``slots`` requests of ``capacity`` positions now
+        (``KVPool.reserve``); it still grows beyond on demand."""
+        weight = self.lm_head.weight
+        pool = self.__dict__.get("_kv_pool")
+        if pool is None or pool.keys.dtype != weight.dtype or pool.keys.device != weight.device:
+            s = self.spec
+            capacity = min(capacity, max_length) if max_length is not None else capacity
+            pool = KVPool(s.num_layers, s.num_kv_heads, s.head_dim, slots, capacity, weight.dtype, max_length,
+                          weight.device)
+            self.__dict__["_kv_pool"] = pool
+        else:
+            pool.reserve(slots, capacity)
+        return pool
 
     @property
     def kv_pool(self) -> KVPool | None:

@@ -83,6 +83,15 @@ class KVPool:
             new_cap = max(min(new_cap, self.max_length), need)
         self._grow(capacity=_round_up(new_cap))
 
+    def reserve(self, slots: int, capacity: int) -> None:
+        """Hold at least ``slots`` slots of ``capacity`` positions (capped at ``max_length``) now, in one copy at
+        most: a server sizes its pool for its batch at start-up instead of doubling under load."""
+        if self.max_length is not None:
+            capacity = min(capacity, self.max_length)
+        new_p, new_c = max(slots, self.num_slots), max(_round_up(max(capacity, 1)), self.capacity)
+        if (new_p, new_c) != (self.num_slots, self.capacity):
+            self._grow(slots=new_p, capacity=new_c)
+
     def _grow(self, slots: int | None = None, capacity: int | None = None) -> None:
         ly, p, hkv, c, d = self.keys.shape
         new_p, new_c = slots or p, capacity or c

@@ -82,7 +82,7 @@ def profile_target(
     for start in range(0, max_requests, chunk):
         part = caches[start : start + chunk]
         ids = torch.randint(V, (len(part) * context_len,), generator=gen).to(device)  # (N,)
-        target.forward(ids, [context_len] * len(part), part, None, logits_for="none")
+        target.forward(ids, [context_len] * len(part), part, None, logits_for="none", prompt_from=0)
     pool = torch.randint(V, (grid[-1],), generator=gen).to(device)  # (N_max,) verify-token ids
 
     def step(batch_tokens: int) -> None:
@@ -104,11 +104,11 @@ def _profile_prefill(target: TargetModel, grid: list[int], context_len: int, rep
     cache = target.new_cache(context_len + grid[-1] + 1)
     if context_len:
         ids = torch.randint(target.vocab_size, (context_len,), generator=gen).to(device)  # (context_len,)
-        target.forward(ids, [context_len], [cache], None, logits_for="none")
+        target.forward(ids, [context_len], [cache], None, logits_for="none", prompt_from=0)
     pool = torch.randint(target.vocab_size, (grid[-1],), generator=gen).to(device)  # (B_max,) prompt-token ids
 
     def step(batch_tokens: int) -> None:
-        target.forward(pool[:batch_tokens], [batch_tokens], [cache], capture_layers, logits_for="last")
+        target.forward(pool[:batch_tokens], [batch_tokens], [cache], capture_layers, logits_for="last", prompt_from=0)
         synchronize(device)
         cache.truncate(context_len)
 

@@ -94,6 +94,9 @@ class EngineConfig:
     # off by default: it moves the decoding rows into larger matmuls, whose bf16 kernels round some rows differently
     # (docs/architecture.md §Making a step cheap), so greedy text could then depend on the load
     mix_prefill: bool = False
+    # positions per request the target's KV pool holds for all max_batch slots from start(); it grows past them by
+    # doubling when a longer request comes (a copy of the whole pool), so a load never pays that for the batch size
+    kv_reserve: int = 1024
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
@@ -104,6 +107,8 @@ class EngineConfig:
             raise ValueError(f"draft_cap must be >= 0 or None, got {self.draft_cap}")
         if self.prefill_chunk is not None and self.prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1 or None, got {self.prefill_chunk}")
+        if self.kv_reserve < 0:
+            raise ValueError(f"kv_reserve must be >= 0, got {self.kv_reserve}")
 
 
 @dataclass(frozen=True)
@@ -243,6 +248,8 @@ class Engine:
             if self._closing:
                 raise EngineClosedError("the engine was stopped; create a new one")
             if self._thread is None:
+                if self.config.kv_reserve:
+                    self.target.reserve_cache(self.config.max_batch, self.config.kv_reserve)
                 self._thread = threading.Thread(target=self._run, name="dspark-engine", daemon=True)
                 self._thread.start()
         return self

@@ -98,6 +98,11 @@ class TargetModel:
     def new_cache(self, capacity: int = 256) -> KVCache:
         return self.model.new_cache(capacity, max_length=self.max_context)
 
+    def reserve_cache(self, slots: int, capacity: int) -> int:
+        """Size the KV pool for ``slots`` requests of ``capacity`` positions now; returns its bytes."""
+        pool = self.model.reserve_kv(slots, capacity, max_length=self.max_context)
+        return pool.num_slots * pool.capacity * pool.bytes_per_token
+
     def make_batch_invariant(self) -> bool:
         """Run lone rows as two (``Decoder.batch_invariant``) and return whether a one-token step and a verify
         block now compute every row bitwise alike on this model and backend (``batch_invariance_holds``)."""
@@ -132,9 +137,10 @@ class TargetModel:
         capture_layers: list[int] | None = None,
         # "all" | "last" (last token of each request) | "none" | (M,) int64 rows whose logits to compute
         logits_for: str | torch.Tensor = "all",
+        prompt_from: int | None = None,  # requests from this index on are prompt pieces (Decoder.forward)
     ) -> TargetOutput:
         input_ids = input_ids.to(self.device, non_blocking=True)  # callers build ids on the host
-        last_hidden, features = self.model.model(input_ids, seq_lens, caches, capture_layers)
+        last_hidden, features = self.model.model(input_ids, seq_lens, caches, capture_layers, prompt_from)
         if isinstance(logits_for, torch.Tensor):
             logits = self.model.logits(last_hidden[logits_for.to(last_hidden.device)])
         elif logits_for == "all":
