@@ -11,8 +11,9 @@
 #   vLLM's prefix cache, on by default, serves from memory; dspark has none), vllm-ngram (num_speculative_tokens 7,
 #   n-grams 3 down to 1: our prompt lookup's settings),
 #   vllm-eagle3 (EAGLE3=CKPT, an Eagle3 checkpoint of 3 target layers, exported with `dspark export --to vllm`;
-#   without one the row is skipped, nothing is trained), dspark-plain (--drafter none), dspark-plain-mix (the same
-#   with --mix-prefill: prompt chunks fed in the decode step's pass; not in ROWS=all), dspark-lookup
+#   without one the row is skipped, nothing is trained), dspark-plain (--drafter none; prompt chunks ride in the
+#   decode step's pass, the default), dspark-plain-invariant (the same with --batch-invariant: prompt chunks in
+#   passes of their own, greedy text independent of the load; not in ROWS=all), dspark-lookup
 #   (--drafter prompt-lookup), dspark-fixed1 / -alg1 / -async / -all (DRAFTER with STS, one row per verify policy),
 #   dspark-hybrid (DRAFTER --hybrid, policy HYBRID_POLICY).
 # One server at a time on 127.0.0.1:PORT: started, /health answered, one warm-up request, then the same
@@ -30,7 +31,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 DEFAULT_ROWS=vllm-plain,vllm-plain-noprefix,vllm-ngram,vllm-eagle3,dspark-plain,dspark-lookup,dspark-fixed1,dspark-alg1,dspark-async,dspark-all,dspark-hybrid
-EXTRA_ROWS=dspark-plain-mix  # rows ROWS may name that ROWS=all leaves out
+EXTRA_ROWS=dspark-plain-invariant  # rows ROWS may name that ROWS=all leaves out
 DEFAULTS=(NUM_REQUESTS=32 CONCURRENCY=1,4,16,32 MAX_TOKENS=64 ROWS=all)
 PY=${PY:-$([ -x .venv/bin/python ] && echo .venv/bin/python || command -v python3)}
 VLLM_VENV=${VLLM_VENV:-.venv-vllm}
@@ -139,7 +140,7 @@ row_setup() {
       METHOD="eagle3 ($EAGLE3)"
       vllm_argv --speculative-config "$spec" ;;
     dspark-plain) METHOD=plain; dspark_argv --drafter none ;;
-    dspark-plain-mix) METHOD="plain, prompt chunks in the decode pass"; dspark_argv --drafter none --mix-prefill ;;
+    dspark-plain-invariant) METHOD="plain, --batch-invariant"; dspark_argv --drafter none --batch-invariant ;;
     dspark-lookup) METHOD="prompt lookup (7 tokens, n-grams 3..1), policy all"; dspark_argv --drafter prompt-lookup --policy all ;;
     dspark-fixed1) METHOD="DSpark, policy fixed:1"; dspark_drafter --policy fixed:1 ;;
     dspark-alg1) METHOD="DSpark, policy alg1"; dspark_drafter --policy alg1 ;;

@@ -1,5 +1,5 @@
 """A request's text does not depend on the load: the same prompts sent one at a time and all at once to a real
-``dspark serve`` subprocess (SmolLM2-135M in bfloat16, plain decoding, 127.0.0.1) come back identical.
+``dspark serve --batch-invariant`` subprocess (SmolLM2-135M in bfloat16, plain decoding, 127.0.0.1) come back identical.
 
 Greedy: 16 chat prompts (4 each of mt-bench, gsm8k, humaneval, arena-hard-v2), 64 tokens, the setting in which
 the per-request attention path gave 15/16 (a prompt cut into prefill pieces attended with other kernels than
@@ -50,7 +50,7 @@ def _free_port() -> int:
 def server_url():
     port = _free_port()
     cmd = [sys.executable, "-m", "dspark.cli", "--threads", "1", "serve", "--drafter", "none", "--dtype", "bfloat16",
-           "--max-batch", "16", "--port", str(port), "--log-level", "warning"]
+           "--max-batch", "16", "--batch-invariant", "--port", str(port), "--log-level", "warning"]
     proc = subprocess.Popen(cmd, env=os.environ.copy(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -99,7 +99,7 @@ def test_decode_steps_run_between_prefill_chunks(chunk):
     short, long = [3, 4, 5, 6, 7], [(3 * i) % 90 + 2 for i in range(100)]
     expected = SpeculativeGenerator(target).generate([long], SamplingParams(0.0, max_new_tokens=3))[0].output_ids
     recorder = _Recorder(target)
-    engine = Engine(target, None, None, EngineConfig(max_batch=2, prefill_chunk=chunk)).start()
+    engine = Engine(target, None, None, EngineConfig(max_batch=2, prefill_chunk=chunk, mix_prefill=False)).start()
     engine.pause()  # both are admitted together: the short prompt and the long one's first piece
     a = engine.submit(short, SamplingParams(0.0, max_new_tokens=60))
     b = engine.submit(long, SamplingParams(0.0, max_new_tokens=3))

@@ -100,10 +100,15 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill-chunk", type=int, default=256, metavar="N",
                    help="prompt tokens prefilled between two decode steps, so a long prompt delays the other "
                    "streams by one chunk at most; 0 prefills whole prompts (default: %(default)s)")
-    p.add_argument("--mix-prefill", action="store_true",
+    p.add_argument("--mix-prefill", action=argparse.BooleanOptionalAction, default=True,
                    help="feed each prompt chunk in the decode step's target pass instead of a pass of its own (the "
-                   "weights are read once for both); greedy text may then depend on the load, as the decoding rows "
-                   "go through larger matmuls whose bf16 kernels round some rows differently")
+                   "weights are read once for both, as vLLM's chunked prefill does); greedy text may then depend on "
+                   "the load, as the decoding rows go through larger matmuls whose bf16 kernels round some rows "
+                   "differently (default: on; --batch-invariant turns it off)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="a request's text does not depend on what else the server runs (the same prompt alone or "
+                   "among others gives the same greedy text): prompt chunks in passes of their own, no "
+                   "--mix-prefill; docs/architecture.md says what holds (default: off, the faster mixed passes)")
     p.add_argument("--kv-reserve", type=int, default=1024, metavar="TOKENS",
                    help="positions per request the target's KV cache holds for all --max-batch requests from the "
                    "start (the start-up line says how many bytes); a longer request grows it by doubling, which "
@@ -155,6 +160,7 @@ def build_engine(args: argparse.Namespace):
     engine = Engine(target, drafter, policy, EngineConfig(max_batch=args.max_batch, max_queue=args.max_queue,
                                                           prefill_chunk=args.prefill_chunk or None,
                                                           mix_prefill=args.mix_prefill,
+                                                          batch_invariant=args.batch_invariant,
                                                           kv_reserve=args.kv_reserve))
     freeze_startup_objects()  # garbage collections scan only what requests allocate (serving.memory)
     return engine

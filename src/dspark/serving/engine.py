@@ -26,8 +26,11 @@ drafter and policy whose verify lengths depend only on the request itself
 drafters) a seed reproduces a sampled output whatever else is in the batch;
 ``alg1`` / ``async`` size the verification from the whole batch, so there a seed
 reproduces the output only for the same batch schedule (the output
-distribution is the target's either way). Greedy output never depends on the
-batch.
+distribution is the target's either way). Both hold bitwise with
+``batch_invariant`` (prompt chunks in passes of their own); by default a chunk
+rides in the decode step's pass (``mix_prefill``), where bf16 matmuls of more
+rows can round a decoding row differently, so a near-tie can then flip a greedy
+token with the load (the target's greedy text either way, at bf16 rounding).
 
 Handles deliver ``StreamEvent``s to an asyncio queue (``submit(...,
 loop=...)``: the server with the engine as its thread), to a callback
@@ -90,10 +93,13 @@ class EngineConfig:
     max_queue: int = 64  # most requests waiting for a slot; beyond it submit() raises QueueFullError
     draft_cap: int | None = None  # most draft tokens per request per step (None: the drafter's block size)
     prefill_chunk: int | None = 256  # most prompt tokens prefilled between two decode steps (None: whole prompts)
-    # feed the chunk in the decode step's target pass (the weights read once for both) instead of a pass of its own;
-    # off by default: it moves the decoding rows into larger matmuls, whose bf16 kernels round some rows differently
-    # (docs/architecture.md §Making a step cheap), so greedy text could then depend on the load
-    mix_prefill: bool = False
+    # feed the chunk in the decode step's target pass (the weights read once for both) instead of a pass of its own,
+    # as vLLM's chunked prefill does; it moves the decoding rows into larger matmuls, whose bf16 kernels round some
+    # rows differently (docs/architecture.md §Making a step cheap), so greedy text can then depend on the load
+    mix_prefill: bool = True
+    # a request's text does not depend on what else the engine runs: prompt chunks in passes of their own (mix_prefill
+    # off), as far as the kernels allow (docs/architecture.md §Making a step cheap says exactly what holds)
+    batch_invariant: bool = False
     # positions per request the target's KV pool holds for all max_batch slots from start(); it grows past them by
     # doubling when a longer request comes (a copy of the whole pool), so a load never pays that for the batch size
     kv_reserve: int = 1024
@@ -374,7 +380,7 @@ class Engine:
                     self._admit(admitted)
                 if paused:
                     pass
-                elif self._prefilling and self._active and self.config.mix_prefill:
+                elif self._prefilling and self._active and self.config.mix_prefill and not self.config.batch_invariant:
                     self._step(with_prefill=True)  # one pass: the batch's verify rows and a chunk of prompt
                 else:
                     if self._prefilling:
