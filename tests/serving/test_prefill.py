@@ -118,3 +118,22 @@ def test_decode_steps_run_between_prefill_chunks(chunk):
     assert max(prefills) <= chunk and len(prefills) == -(-(len(short) + len(long)) // chunk)
     # prefill, decode, prefill, decode, ...: never two pieces of prompt back to back
     assert kinds[: last_prefill + 1] == ["prefill", "decode"] * (len(prefills) - 1) + ["prefill"]
+
+
+def test_batch_invariant_prompts_are_cut_at_their_own_offsets_one_per_pass():
+    """batch_invariant: each prefill pass holds one prompt's piece, cut at multiples of the chunk from its start,
+    so a prompt's passes are the same whatever else waits; the texts are those of separate generation."""
+    target = tiny_target(seed=0)
+    prompts = [[(5 * i + k) % 90 + 2 for i in range(n)] for k, n in enumerate([37, 5, 50])]
+    expected = [SpeculativeGenerator(target).generate([p], SamplingParams(0.0, max_new_tokens=4))[0].output_ids
+                for p in prompts]
+    recorder = _Recorder(target)
+    engine = Engine(target, None, None, EngineConfig(max_batch=3, prefill_chunk=16, batch_invariant=True)).start()
+    engine.pause()  # all three admitted together: a mixed-budget engine would share passes between them
+    handles = [engine.submit(p, SamplingParams(0.0, max_new_tokens=4)) for p in prompts]
+    engine.resume()
+    assert [h.result(30)[0] for h in handles] == expected
+    engine.stop()
+    prefills = [n for kind, n in recorder.calls if kind == "prefill"]
+    assert prefills == [16, 16, 5, 5, 16, 16, 16, 2]  # 37 = 16+16+5, 5, 50 = 16+16+16+2: one prompt per pass
+    assert all(kind != "mixed" for kind, _ in recorder.calls)

@@ -97,8 +97,9 @@ class EngineConfig:
     # as vLLM's chunked prefill does; it moves the decoding rows into larger matmuls, whose bf16 kernels round some
     # rows differently (docs/architecture.md §Making a step cheap), so greedy text can then depend on the load
     mix_prefill: bool = True
-    # a request's text does not depend on what else the engine runs: prompt chunks in passes of their own (mix_prefill
-    # off), as far as the kernels allow (docs/architecture.md §Making a step cheap says exactly what holds)
+    # a request's text does not depend on what else the engine runs: each prompt in pieces of its own, cut at multiples
+    # of prefill_chunk, in passes of their own (mix_prefill off), as far as the kernels allow (docs/architecture.md
+    # §Making a step cheap says exactly what holds)
     batch_invariant: bool = False
     # positions per request the target's KV pool holds for all max_batch slots from start(); it grows past them by
     # doubling when a longer request comes (a copy of the whole pool), so a load never pays that for the batch size
@@ -421,8 +422,13 @@ class Engine:
             self._prefilling.append(_Active(h, state, cache))
 
     def _prefill_pieces(self) -> PrefillPieces:
-        """At most ``prefill_chunk`` prompt tokens of the prefilling requests, oldest request first."""
+        """At most ``prefill_chunk`` prompt tokens of the prefilling requests, oldest request first.
+        ``batch_invariant``: the oldest request's next piece alone, cut at multiples of ``prefill_chunk`` from its
+        prompt's start, so that its pass (rows, product shapes) depends on the prompt only, never on the load."""
         budget = self.config.prefill_chunk or sum(len(e.state.tokens) for e in self._prefilling)
+        if self.config.batch_invariant:
+            e = self._prefilling[0]
+            return PrefillPieces([e.state], [e.cache], [min(len(e.state.tokens) - e.cache.length, budget)])
         batch, counts = [], []
         for e in self._prefilling:
             if budget <= 0:
