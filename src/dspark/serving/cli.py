@@ -107,8 +107,9 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
                    "differently (default: on; --batch-invariant turns it off)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="a request's text does not depend on what else the server runs (the same prompt alone or "
-                   "among others gives the same greedy text): prompt chunks in passes of their own, no "
-                   "--mix-prefill; docs/architecture.md says what holds (default: off, the faster mixed passes)")
+                   "among others gives the same greedy text): each prompt fed in pieces cut at multiples of "
+                   "--prefill-chunk from its start, one prompt per pass, no --mix-prefill; docs/architecture.md says "
+                   "what holds (default: off, the faster shared and mixed passes)")
     p.add_argument("--kv-reserve", type=int, default=1024, metavar="TOKENS",
                    help="positions per request the target's KV cache holds for all --max-batch requests from the "
                    "start (the start-up line says how many bytes); a longer request grows it by doubling, which "
