@@ -31,14 +31,16 @@ def test_kv_bytes_per_token_from_the_config():
     line = kv_cache_line(23_040, 8, 8192)
     assert "23,040 bytes per token" in line and "1.41 GiB" in line  # 8 slots x 8,192 positions x 23,040 B
     assert "180.0 MiB held from the start" in kv_cache_line(23_040, 8, 8192, 1000)  # 8 x 1,024 positions
+    line = kv_cache_line(23_040, 8, 8192, 1000, prefix_cache=8)  # 16 slots: twice the bytes, bound included
+    assert "360.0 MiB held from the start" in line and "2.81 GiB" in line
 
 
 def test_the_engine_sizes_the_pool_for_its_batch_at_start_and_keeps_it():
     target = tiny_target()
-    engine = Engine(target, None, None, EngineConfig(max_batch=6, kv_reserve=100))
+    engine = Engine(target, None, None, EngineConfig(max_batch=6, kv_reserve=100, prefix_cache=2))
     with engine:
         pool = target.model.kv_pool
-        assert (pool.num_slots, pool.capacity) == (6, 128)  # whole key blocks of 64
+        assert (pool.num_slots, pool.capacity) == (8, 128)  # 6 + 2 kept prompts; whole key blocks of 64
         keys = pool.keys
         handles = [engine.submit(_prompt(40, i), SamplingParams(0.0, max_new_tokens=8)) for i in range(6)]
         assert all(h.result(timeout=60)[0] for h in handles)
@@ -67,8 +69,9 @@ def test_64_concurrent_2k_context_requests_are_admitted_or_queued():
     assert stats.requests.get("error", 0) == 0
     # 8 decoding, the rest waiting; the pool stayed within the bound the start-up line states
     pool = target.model.kv_pool
-    assert pool.num_slots <= 8 and pool.num_slots * pool.capacity * pool.bytes_per_token <= kv_cache_bound(
-        target.kv_bytes_per_token, 8, target.max_context)
+    kept = engine.config.prefix_cache
+    assert pool.num_slots <= 8 + kept and pool.num_slots * pool.capacity * pool.bytes_per_token <= kv_cache_bound(
+        target.kv_bytes_per_token, 8, target.max_context, kept)
 
 
 def test_beyond_the_queue_requests_are_refused_with_a_clear_error():

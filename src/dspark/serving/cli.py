@@ -114,6 +114,10 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
                    help="positions per request the target's KV cache holds for all --max-batch requests from the "
                    "start (the start-up line says how many bytes); a longer request grows it by doubling, which "
                    "copies the cache once; 0: start empty and grow on demand (default: %(default)s)")
+    p.add_argument("--prefix-cache", type=int, default=16, metavar="N",
+                   help="prompts kept after their requests finish (a KV-cache slot each), so that a new prompt "
+                   "sharing a prefix with one of them prefills only the rest, as vLLM's prefix caching; 0: off "
+                   "(default: %(default)s)")
     p.set_defaults(func=_serve)
 
 
@@ -162,7 +166,8 @@ def build_engine(args: argparse.Namespace):
                                                           prefill_chunk=args.prefill_chunk or None,
                                                           mix_prefill=args.mix_prefill,
                                                           batch_invariant=args.batch_invariant,
-                                                          kv_reserve=args.kv_reserve))
+                                                          kv_reserve=args.kv_reserve,
+                                                          prefix_cache=args.prefix_cache))
     freeze_startup_objects()  # garbage collections scan only what requests allocate (serving.memory)
     return engine
 
@@ -178,8 +183,9 @@ def _serve(args: argparse.Namespace) -> int:
     from dspark.serving.server import ServerConfig, create_app
     from dspark.serving.shutdown import DrainingServer
 
-    if args.prefill_chunk < 0 or args.kv_reserve < 0 or args.header_timeout <= 0 or args.shutdown_timeout < 0:
-        raise DSparkError("--prefill-chunk, --kv-reserve and --shutdown-timeout must be >= 0 and --header-timeout > 0")
+    if min(args.prefill_chunk, args.kv_reserve, args.prefix_cache, args.shutdown_timeout) < 0 or args.header_timeout <= 0:
+        raise DSparkError("--prefill-chunk, --kv-reserve, --prefix-cache and --shutdown-timeout must be >= 0 and "
+                          "--header-timeout > 0")
     if args.max_prompt_tokens is not None and args.max_prompt_tokens < 1:
         raise DSparkError(f"--max-prompt-tokens must be >= 1, got {args.max_prompt_tokens}")
     if args.default_max_tokens is not None and args.default_max_tokens < 1:
@@ -212,8 +218,8 @@ def _serve(args: argparse.Namespace) -> int:
                           sampling_defaults=SamplingDefaults.from_folder(source))
     app = create_app(engine, tokenizer, config)
     freeze_startup_objects()
-    print(kv_cache_line(target.kv_bytes_per_token, args.max_batch, target.max_context, args.kv_reserve),
-          file=sys.stderr)
+    print(kv_cache_line(target.kv_bytes_per_token, args.max_batch, target.max_context, args.kv_reserve,
+                        args.prefix_cache), file=sys.stderr)
     policy = engine.policy.name if hasattr(engine, "policy") and engine.policy is not None else args.policy
     print(f"[dspark] serving {config.model_name} with drafter {args.drafter}, policy {policy} on "
           f"http://{args.host}:{args.port}/v1{' (API key required)' if api_key else ''}"
@@ -249,18 +255,21 @@ def _size(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
-def kv_cache_line(bytes_per_token: int, max_batch: int, max_context: int, reserve: int = 0) -> str:
+def kv_cache_line(bytes_per_token: int, max_batch: int, max_context: int, reserve: int = 0,
+                  prefix_cache: int = 0) -> str:
     """The start-up line that states the KV cache's size: per token, held from the start, and the most it can reach."""
     from dspark.modeling.kv_cache import BLOCK
     from dspark.serving.engine import kv_cache_bound
 
-    bound = kv_cache_bound(bytes_per_token, max_batch, max_context)
-    held = max_batch * -(-min(reserve, max_context) // BLOCK) * BLOCK * bytes_per_token
-    start = f"{_size(held)} held from the start ({reserve:,} positions x {max_batch} requests, --kv-reserve); "
+    slots = max_batch + prefix_cache
+    bound = kv_cache_bound(bytes_per_token, max_batch, max_context, prefix_cache)
+    held = slots * -(-min(reserve, max_context) // BLOCK) * BLOCK * bytes_per_token
+    start = f"{_size(held)} held from the start ({reserve:,} positions x {slots} slots, --kv-reserve); "
     start = start if reserve else ""
+    kept = f" and --prefix-cache {prefix_cache}" if prefix_cache else ""
     return (f"[dspark] KV cache: {bytes_per_token:,} bytes per token of a request (2 x layers x KV heads x head dim "
-            f"x dtype bytes); {start}at most {_size(bound)} with --max-batch {max_batch} at the model's context of "
-            f"{max_context:,} (requests beyond --max-batch wait in the queue, beyond --max-queue get 429)")
+            f"x dtype bytes); {start}at most {_size(bound)} with --max-batch {max_batch}{kept} at the model's "
+            f"context of {max_context:,} (requests beyond --max-batch wait in the queue, beyond --max-queue get 429)")
 
 
 def default_max_prompt_tokens(given: int | None, target) -> int | None:

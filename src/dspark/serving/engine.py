@@ -60,6 +60,7 @@ from dspark.sampling.processing import SamplingParams
 from dspark.scheduler.confidence import ConfidenceAdapter
 from dspark.scheduler.policies import VerifyPolicy
 from dspark.serving.engine_stats import EngineStats, StepTimes
+from dspark.serving.prefix_cache import PrefixCache
 from dspark.target.model import TargetModel
 
 log = logging.getLogger("dspark.serving")
@@ -68,14 +69,15 @@ log = logging.getLogger("dspark.serving")
 _INITIAL_GEN_CAPACITY = 256
 
 
-def kv_cache_bound(bytes_per_token: int, max_batch: int, max_context: int) -> int:
-    """The most bytes the target's KV pool can reach under an engine with ``max_batch`` slots.
+def kv_cache_bound(bytes_per_token: int, max_batch: int, max_context: int, prefix_cache: int = 0) -> int:
+    """The most bytes the target's KV pool can reach under an engine with ``max_batch`` slots and ``prefix_cache``
+    kept prompts (each holds a slot).
 
     The pool (``dspark.modeling.kv_cache.KVPool``) gives every slot the same capacity: slots double from one
-    when all are taken, so at most the next power of two >= ``max_batch``; capacity doubles up to the model's
-    context, rounded up to whole key blocks. Bytes = slots x capacity x ``bytes_per_token``.
+    when all are taken, so at most the next power of two >= ``max_batch + prefix_cache``; capacity doubles up to
+    the model's context, rounded up to whole key blocks. Bytes = slots x capacity x ``bytes_per_token``.
     """
-    slots = 1 << max(max_batch - 1, 0).bit_length()
+    slots = 1 << max(max_batch + prefix_cache - 1, 0).bit_length()
     return slots * (-(-max_context // BLOCK) * BLOCK) * bytes_per_token
 
 
@@ -104,6 +106,9 @@ class EngineConfig:
     # positions per request the target's KV pool holds for all max_batch slots from start(); it grows past them by
     # doubling when a longer request comes (a copy of the whole pool), so a load never pays that for the batch size
     kv_reserve: int = 1024
+    # prompts kept after their requests finish (their KV-cache slots), so that a prompt sharing a prefix with one of
+    # them skips that part of its prefill (dspark.serving.prefix_cache); 0 = off
+    prefix_cache: int = 16
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
@@ -116,6 +121,8 @@ class EngineConfig:
             raise ValueError(f"prefill_chunk must be >= 1 or None, got {self.prefill_chunk}")
         if self.kv_reserve < 0:
             raise ValueError(f"kv_reserve must be >= 0, got {self.kv_reserve}")
+        if self.prefix_cache < 0:
+            raise ValueError(f"prefix_cache must be >= 0, got {self.prefix_cache}")
 
 
 @dataclass(frozen=True)
@@ -248,6 +255,11 @@ class Engine:
         self._ids = itertools.count()
         self._stats = EngineStats(max_batch=self.config.max_batch, max_queue=self.config.max_queue)
         self.step_times = StepTimes()  # pass times by batch tokens: the SPS table this load saw
+        c = self.config
+        # batch-invariant: reuse only whole prefill pieces (a fresh prefill cuts there too); whole-prompt passes: none
+        invariant_off = c.batch_invariant and c.prefill_chunk is None
+        self._prefix = PrefixCache(0 if invariant_off else c.prefix_cache,
+                                   align=c.prefill_chunk if c.batch_invariant and c.prefill_chunk else 1)
 
     # ================================================================ public API
     def start(self) -> "Engine":
@@ -255,8 +267,8 @@ class Engine:
             if self._closing:
                 raise EngineClosedError("the engine was stopped; create a new one")
             if self._thread is None:
-                if self.config.kv_reserve:
-                    self.target.reserve_cache(self.config.max_batch, self.config.kv_reserve)
+                if self.config.kv_reserve:  # the batch's slots and the prefix cache's
+                    self.target.reserve_cache(self.config.max_batch + self._prefix.max_entries, self.config.kv_reserve)
                 self._thread = threading.Thread(target=self._run, name="dspark-engine", daemon=True)
                 self._thread.start()
         return self
@@ -276,6 +288,7 @@ class Engine:
             self._num_active = 0
         for handle in leftovers:
             self._finish(handle, "abort")
+        self._prefix.clear()  # the kept slots go back to the target's pool
 
     def __enter__(self) -> "Engine":
         return self.start()
@@ -418,6 +431,11 @@ class Engine:
             state = RequestState(h.request_id, len(h.prompt_ids), list(h.prompt_ids), s, s.make_generator())
             gen_room = min(s.max_new_tokens, _INITIAL_GEN_CAPACITY) + block + 2
             cache = self.target.new_cache(min(len(h.prompt_ids) + gen_room, self.target.max_context))
+            hit = self._prefix.restore(h.prompt_ids, cache, want_features=bool(self.drafter.target_layer_ids))
+            if hit is not None:  # the prefill starts after the restored prefix (its features too)
+                state.context_features = hit.features
+                with self._cv:
+                    self._stats.cached_prompt_tokens += hit.length
             h.stats = AcceptanceStats(block_size=max(block, 1))
             self._prefilling.append(_Active(h, state, cache))
 
@@ -535,8 +553,8 @@ class Engine:
                 self._finish(a.handle, a.handle.cancel_reason)
             if a.handle.cancel_reason is None and not a.state.finished:
                 live.append(a)
-            else:
-                a.cache.release()  # its slot of the target's KV pool serves the next admission
+            else:  # its slot of the target's KV pool: kept for its prompt's prefix, or free for the next admission
+                self._prefix.keep(a.handle.prompt_ids, a.cache, a.state.context_features)
         return live
 
     def _finish(self, handle: RequestHandle, reason: str, error: str | None = None) -> None:

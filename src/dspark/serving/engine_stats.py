@@ -19,7 +19,8 @@ class EngineStats:
     verified_tokens: int = 0  # draft tokens sent to verification, sum of l_r
     accepted_tokens: int = 0  # draft tokens accepted
     committed_tokens: int = 0  # sum of acceptance lengths tau (bonus included)
-    prompt_tokens: int = 0
+    prompt_tokens: int = 0  # prompt tokens prefilled
+    cached_prompt_tokens: int = 0  # prompt tokens restored from the prefix cache instead
     generation_tokens: int = 0  # tokens streamed to clients (first tokens included)
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0

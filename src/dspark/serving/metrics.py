@@ -50,6 +50,8 @@ _SCALARS = (
      "Tokens committed by speculative steps, bonus included (sum of acceptance lengths tau).",
      lambda s: s.committed_tokens),
     ("dspark_prompt_tokens", "counter", "Prompt tokens prefilled.", lambda s: s.prompt_tokens),
+    ("dspark_prefix_cache_hit_tokens", "counter", "Prompt tokens restored from the prefix cache instead of prefilled.",
+     lambda s: s.cached_prompt_tokens),
     ("dspark_generation_tokens", "counter", "Generated tokens streamed to clients.", lambda s: s.generation_tokens),
     ("dspark_acceptance_length", "gauge", "Average acceptance length tau per request-step since start.",
      lambda s: s.avg_acceptance_length),
