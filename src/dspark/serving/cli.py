@@ -183,7 +183,8 @@ def _serve(args: argparse.Namespace) -> int:
     from dspark.serving.server import ServerConfig, create_app
     from dspark.serving.shutdown import DrainingServer
 
-    if min(args.prefill_chunk, args.kv_reserve, args.prefix_cache, args.shutdown_timeout) < 0 or args.header_timeout <= 0:
+    counts = (args.prefill_chunk, args.kv_reserve, args.prefix_cache, args.shutdown_timeout)
+    if min(counts) < 0 or args.header_timeout <= 0:
         raise DSparkError("--prefill-chunk, --kv-reserve, --prefix-cache and --shutdown-timeout must be >= 0 and "
                           "--header-timeout > 0")
     if args.max_prompt_tokens is not None and args.max_prompt_tokens < 1:
