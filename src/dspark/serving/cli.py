@@ -114,7 +114,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
                    help="positions per request the target's KV cache holds for all --max-batch requests from the "
                    "start (the start-up line says how many bytes); a longer request grows it by doubling, which "
                    "copies the cache once; 0: start empty and grow on demand (default: %(default)s)")
-    p.add_argument("--prefix-cache", type=int, default=16, metavar="N",
+    p.add_argument("--prefix-cache", type=int, default=32, metavar="N",
                    help="prompts kept after their requests finish (a KV-cache slot each), so that a new prompt "
                    "sharing a prefix with one of them prefills only the rest, as vLLM's prefix caching; 0: off "
                    "(default: %(default)s)")

@@ -108,7 +108,7 @@ class EngineConfig:
     kv_reserve: int = 1024
     # prompts kept after their requests finish (their KV-cache slots), so that a prompt sharing a prefix with one of
     # them skips that part of its prefill (dspark.serving.prefix_cache); 0 = off
-    prefix_cache: int = 16
+    prefix_cache: int = 32
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
