@@ -89,7 +89,8 @@ class PrefixCache:
         while len(self._entries) >= self.max_entries:
             self._drop(next(iter(self._entries)))
         self._ids += 1
-        self._entries[self._ids] = PrefixEntry(list(prompt[:n]), cache, None if features is None else features[:n])
+        kept = None if features is None else features[:n].clone()  # the request's buffer has room for all it generates
+        self._entries[self._ids] = PrefixEntry(list(prompt[:n]), cache, kept)
         return True
 
     def restore(self, prompt: list[int], cache: KVCache, want_features: bool) -> PrefixHit | None:
