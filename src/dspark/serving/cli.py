@@ -110,14 +110,15 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
                    "among others gives the same greedy text): each prompt fed in pieces cut at multiples of "
                    "--prefill-chunk from its start, one prompt per pass, no --mix-prefill; docs/architecture.md says "
                    "what holds (default: off, the faster shared and mixed passes)")
-    p.add_argument("--kv-reserve", type=int, default=1024, metavar="TOKENS",
-                   help="positions per request the target's KV cache holds for all --max-batch requests from the "
-                   "start (the start-up line says how many bytes); a longer request grows it by doubling, which "
-                   "copies the cache once; 0: start empty and grow on demand (default: %(default)s)")
-    p.add_argument("--prefix-cache", type=int, default=32, metavar="N",
+    p.add_argument("--kv-reserve", type=int, default=0, metavar="TOKENS",
+                   help="positions per slot the target's KV cache holds for all --max-batch (+ --prefix-cache) "
+                   "slots from the start (the start-up line says how many bytes); a longer request grows it by "
+                   "doubling, a copy of the whole cache; 0: start empty and grow on demand (default: %(default)s)")
+    p.add_argument("--prefix-cache", type=int, default=0, metavar="N",
                    help="prompts kept after their requests finish (a KV-cache slot each), so that a new prompt "
-                   "sharing a prefix with one of them prefills only the rest, as vLLM's prefix caching; 0: off "
-                   "(default: %(default)s)")
+                   "sharing a prefix with one of them prefills only the rest, as vLLM's prefix caching; give a "
+                   "--kv-reserve that covers your prompts with it (e.g. --prefix-cache 32 --kv-reserve 2048), as the "
+                   "kept slots make every growth of the cache larger; 0: off (default: %(default)s)")
     p.set_defaults(func=_serve)
 
 

@@ -103,12 +103,14 @@ class EngineConfig:
     # of prefill_chunk, in passes of their own (mix_prefill off), as far as the kernels allow (docs/architecture.md
     # §Making a step cheap says exactly what holds)
     batch_invariant: bool = False
-    # positions per request the target's KV pool holds for all max_batch slots from start(); it grows past them by
-    # doubling when a longer request comes (a copy of the whole pool), so a load never pays that for the batch size
-    kv_reserve: int = 1024
+    # positions per slot the target's KV pool holds for all max_batch (+ prefix_cache) slots from start(); it grows
+    # past them by doubling when a longer request comes, a copy of the whole pool into fresh memory, which under load
+    # can stall the engine for seconds (docs/serving/README.md); 0 = start empty and grow on demand
+    kv_reserve: int = 0
     # prompts kept after their requests finish (their KV-cache slots), so that a prompt sharing a prefix with one of
-    # them skips that part of its prefill (dspark.serving.prefix_cache); 0 = off
-    prefix_cache: int = 32
+    # them skips that part of its prefill (dspark.serving.prefix_cache); 0 = off. Each holds a slot of the pool's
+    # capacity: pair it with a kv_reserve that covers the prompts, or the pool grows under load
+    prefix_cache: int = 0
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
