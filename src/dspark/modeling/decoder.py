@@ -196,27 +196,25 @@ class CausalLM(nn.Module):
     def new_cache(self, capacity: int = 256, max_length: int | None = None) -> KVCache:
         """An empty cache with the model's dtype, on the model's device: a slot of the model's ``KVPool``, so
         that all its requests are attended in one call per layer."""
-        s, weight = self.spec, self.lm_head.weight
-        pool = self.__dict__.get("_kv_pool")
-        if pool is None or pool.keys.dtype != weight.dtype or pool.keys.device != weight.device:
-            pool = KVPool(s.num_layers, s.num_kv_heads, s.head_dim, 1, capacity, weight.dtype, max_length,
-                          weight.device)
-            self.__dict__["_kv_pool"] = pool  # a plain attribute: not a buffer, never in the state dict
+        pool = self._pool(1, capacity, max_length)
         return pool.allocate(min(capacity, max_length) if max_length is not None else capacity, max_length)
 
     def reserve_kv(self, slots: int, capacity: int, max_length: int | None = None) -> KVPool:
         """Size the pool ``new_cache`` allocates from for ``slots`` requests of ``capacity`` positions now
         (``KVPool.reserve``); it still grows beyond on demand."""
-        weight = self.lm_head.weight
+        pool = self._pool(slots, capacity, max_length)
+        pool.reserve(slots, capacity)
+        return pool
+
+    def _pool(self, slots: int, capacity: int, max_length: int | None) -> KVPool:
+        """The model's pool, made with these sizes when there is none for its dtype and device yet."""
+        s, weight = self.spec, self.lm_head.weight
         pool = self.__dict__.get("_kv_pool")
         if pool is None or pool.keys.dtype != weight.dtype or pool.keys.device != weight.device:
-            s = self.spec
             capacity = min(capacity, max_length) if max_length is not None else capacity
             pool = KVPool(s.num_layers, s.num_kv_heads, s.head_dim, slots, capacity, weight.dtype, max_length,
                           weight.device)
-            self.__dict__["_kv_pool"] = pool
-        else:
-            pool.reserve(slots, capacity)
+            self.__dict__["_kv_pool"] = pool  # a plain attribute: not a buffer, never in the state dict
         return pool
 
     @property

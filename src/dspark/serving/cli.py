@@ -12,7 +12,7 @@ import os
 import sys
 
 from dspark.target.presets import DEFAULT_TARGET
-from dspark.cli_options import add_drafter_options, add_target_options, drafting_options, load_target_from_args
+from dspark.cli_options import add_drafter_options, add_target_options, count, drafting_options, load_target_from_args
 
 # --max-prompt-tokens on a CPU: SmolLM2-135M prefilled an 8,190-token prompt in 48 s on one busy core, so
 # half that is the most a client should wait for (docs/reports/reliability.md)
@@ -110,11 +110,11 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
                    "among others gives the same greedy text): each prompt fed in pieces cut at multiples of "
                    "--prefill-chunk from its start, one prompt per pass, no --mix-prefill; docs/architecture.md says "
                    "what holds (default: off, the faster shared and mixed passes)")
-    p.add_argument("--kv-reserve", type=int, default=0, metavar="TOKENS",
+    p.add_argument("--kv-reserve", type=count, default=0, metavar="TOKENS",
                    help="positions per slot the target's KV cache holds for all --max-batch (+ --prefix-cache) "
                    "slots from the start (the start-up line says how many bytes); a longer request grows it by "
                    "doubling, a copy of the whole cache; 0: start empty and grow on demand (default: %(default)s)")
-    p.add_argument("--prefix-cache", type=int, default=0, metavar="N",
+    p.add_argument("--prefix-cache", type=count, default=0, metavar="N",
                    help="prompts kept after their requests finish (a KV-cache slot each), so that a new prompt "
                    "sharing a prefix with one of them prefills only the rest, as vLLM's prefix caching; give a "
                    "--kv-reserve that covers your prompts with it (e.g. --prefix-cache 32 --kv-reserve 2048), as the "
@@ -184,10 +184,8 @@ def _serve(args: argparse.Namespace) -> int:
     from dspark.serving.server import ServerConfig, create_app
     from dspark.serving.shutdown import DrainingServer
 
-    counts = (args.prefill_chunk, args.kv_reserve, args.prefix_cache, args.shutdown_timeout)
-    if min(counts) < 0 or args.header_timeout <= 0:
-        raise DSparkError("--prefill-chunk, --kv-reserve, --prefix-cache and --shutdown-timeout must be >= 0 and "
-                          "--header-timeout > 0")
+    if args.prefill_chunk < 0 or args.header_timeout <= 0 or args.shutdown_timeout < 0:
+        raise DSparkError("--prefill-chunk and --shutdown-timeout must be >= 0 and --header-timeout > 0")
     if args.max_prompt_tokens is not None and args.max_prompt_tokens < 1:
         raise DSparkError(f"--max-prompt-tokens must be >= 1, got {args.max_prompt_tokens}")
     if args.default_max_tokens is not None and args.default_max_tokens < 1:
