@@ -31,6 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--max-queue", type=int, default=56)
+    p.add_argument("--kv-reserve", type=int, default=None, help="as `dspark serve`'s (default: its default)")
+    p.add_argument("--prefix-cache", type=int, default=None, help="as `dspark serve`'s (default: --max-batch)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default=None, help="also write the result as JSON here")
     args = p.parse_args(argv)
@@ -39,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from dspark.bench.chaos import _tiny_target
-    from dspark.serving.cli import kv_cache_line
+    from dspark.serving.cli import kv_cache_line, kv_settings
     from dspark.serving.engine import Engine, EngineConfig, kv_cache_bound
     from dspark.serving.server import ServerConfig, ServerThread, create_app
     from dspark.target.loading import torch_dtype
@@ -51,8 +53,9 @@ def main(argv: list[str] | None = None) -> int:
         target.model.to(torch_dtype(args.dtype))
     else:
         target = load_target(args.target, dtype=torch_dtype(args.dtype), fuse=True, pack=True)
-    print(kv_cache_line(target.kv_bytes_per_token, args.max_batch, target.max_context), flush=True)
-    engine = Engine(target, None, None, EngineConfig(max_batch=args.max_batch, max_queue=args.max_queue))
+    kv = kv_settings(args, target)  # `dspark serve`'s defaults unless given
+    print(kv_cache_line(target.kv_bytes_per_token, args.max_batch, target.max_context, **kv), flush=True)
+    engine = Engine(target, None, None, EngineConfig(max_batch=args.max_batch, max_queue=args.max_queue, **kv))
     app = create_app(engine, target.tokenizer, ServerConfig(model_name="m"))
     vocab = target.vocab_size
 
@@ -71,19 +74,22 @@ def main(argv: list[str] | None = None) -> int:
         async with httpx.AsyncClient(base_url=url, timeout=3600) as client:
             return await asyncio.gather(*(one(client, i) for i in range(args.clients)))
 
-    with ServerThread(app) as server:
+    server = ServerThread(app).start(timeout=900)  # the engine zeroes its KV cache as it starts: GiB at 64 slots
+    try:
         results = asyncio.run(run(server.url))
         health = httpx.get(f"{server.url}/health").status_code
+    finally:
+        server.stop()
     statuses = collections.Counter(code for code, _ in results)
     messages = sorted({msg for code, msg in results if code != 200})
     pool = target.model.kv_pool
     pool_bytes = pool.num_slots * pool.capacity * pool.bytes_per_token
-    bound = kv_cache_bound(target.kv_bytes_per_token, args.max_batch, target.max_context)
+    bound = kv_cache_bound(target.kv_bytes_per_token, args.max_batch, target.max_context, kv["prefix_cache"])
     result = {
         "command": "python scripts/kv_admission.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "statuses": {str(k): v for k, v in sorted(statuses.items())}, "refusals": messages,
         "health_after": health, "kv_bytes_per_token": target.kv_bytes_per_token,
-        "pool_slots": pool.num_slots, "pool_capacity": pool.capacity, "pool_bytes": pool_bytes, "bound_bytes": bound,
+        **kv, "pool_slots": pool.num_slots, "pool_capacity": pool.capacity, "pool_bytes": pool_bytes, "bound_bytes": bound,
         "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "load_average": os.getloadavg(),
     }
     print(json.dumps(result, indent=1))

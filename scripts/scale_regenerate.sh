@@ -7,6 +7,11 @@
 #   bash scripts/scale_regenerate.sh          # R=runs/scale NUM=12000 VLLM_VENV=.venv-vllm PORT=8011 CONCURRENCY=16
 #   CPUS=1 bash scripts/scale_regenerate.sh   # the server confined to core 1 (taskset, vLLM's threads bound there)
 #   ENGINE=dspark CPUS=1 bash scripts/scale_regenerate.sh   # this project's engine in process, one thread, BATCH=32
+#   NUM2=8000 ENGINE=dspark CPUS=1 bash scripts/scale_regenerate.sh   # stage 2: more prompts appended (below)
+#
+# Stage 2 (NUM2 > 0): NUM2 more prompts (`dspark data prompts --seed 25`, chat 40 %, with the chat-format data of
+# OpenAI's `evals` wheel, downloaded from the package registry into $R/wheels) whose ids are not among the first
+# NUM are appended to the prompt file once, so the answers go on in the same file (and archive) after line NUM.
 #
 # On one core (2026-12-03): vLLM 0.78 answers/s with 16 in flight; ours 0.75 with 32 beside other work, 1.07 beside a
 # second regeneration (bf16 fused attention; docs/reports/training-scale.md). Either resumes the other's file.
@@ -36,6 +41,22 @@ case $ENGINE in vllm|dspark) ;; *) echo "ENGINE=$ENGINE: vllm or dspark"; exit 2
 mkdir -p "$R"
 R="$R" bash scripts/scale_archive.sh restore
 [ -f "$R/prompts-R.jsonl" ] || $DSPARK data prompts --out "$R/prompts-R.jsonl" --num "$NUM" --seed 21
+NUM2=${NUM2:-0}
+if [ "$NUM2" -gt 0 ] && [ "$(wc -l < "$R/prompts-R.jsonl")" -eq "$NUM" ]; then
+  wheel=$R/wheels/evals-3.0.1.post1-py3-none-any.whl
+  [ -f "$wheel" ] || .venv/bin/pip download --no-deps --quiet -d "$R/wheels" evals==3.0.1.post1
+  $DSPARK data prompts --out "$R/prompts-S2.jsonl" --num "$NUM2" --seed 25 --mix math=0.3,code=0.3,chat=0.4 \
+    --evals-wheel "$wheel"
+  .venv/bin/python - "$R/prompts-R.jsonl" "$R/prompts-S2.jsonl" <<'PY'
+import json, sys
+first, second = sys.argv[1:]
+seen = {json.loads(line)["id"] for line in open(first, encoding="utf-8")}
+new = [line for line in open(second, encoding="utf-8") if json.loads(line)["id"] not in seen]
+with open(first, "a", encoding="utf-8") as f:
+    f.writelines(new)
+print(f"appended {len(new)} of {sum(1 for _ in open(second, encoding='utf-8'))} stage-2 prompts to {first}")
+PY
+fi
 if [ "$ENGINE" = dspark ]; then
   pin=()
   [ -n "$CPUS" ] && pin=(taskset -c "$CPUS")

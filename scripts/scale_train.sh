@@ -14,6 +14,8 @@
 #   SESSION_S=3000 bash scripts/scale_train.sh all eagle3
 #   PROCS=2 bash scripts/scale_train.sh all      # each drafter on both cores in turn
 #   bash scripts/scale_train.sh depth2-3500      # the depth ablation: DSpark with 2 draft layers (dspark2-3500)
+#   PROCS=2 bash scripts/scale_train.sh depth2-regen-all  # the same at the largest point: regen-all's DSpark with
+#                                                # 2 draft layers (dspark2-regen-R3 after slice R3)
 #   bash scripts/scale_train.sh layer-target-330 # DSpark with the target family's draft layer (dsparktl-330)
 #   bash scripts/scale_train.sh regen            # DSpark and DFlash on the on-policy slices (dspark-regen, dflash-regen)
 #   bash scripts/scale_train.sh regen-cont       # both continued on every slice from dspark-regen / dflash-regen
@@ -72,6 +74,12 @@ for p in "${points[@]}"; do
   if [[ "$p" == layer-target-* ]]; then  # the draft-layer check: the target family's layer (no q/k norm)
     n=${p#layer-target-}
     train "dsparktl-$n" smollm2-dspark-markov "$(caches_for "$n")" "$n" --set model.draft_layer=target
+    continue
+  fi
+  if [ "$p" = depth2-regen-all ]; then  # the depth ablation at the largest point: regen-all's DSpark, 2 draft layers
+    slice=$(tail -n 1 "$R/regen-slices.tsv" | cut -f1)
+    train "dspark2-regen-$slice" smollm2-dspark-markov "$(caches_for regen)" all --set model.draft_layer=qwen3 \
+      --set model.num_draft_layers=2 --set "data=[]"
     continue
   fi
   if [[ "$p" == depth2-* ]]; then  # the depth ablation: DSpark with 2 draft layers at point N

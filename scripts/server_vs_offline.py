@@ -7,7 +7,8 @@ Plain greedy decoding of SmolLM2-135M in bf16 with one torch thread, C clients e
 the previous one is answered, the prompts `dspark bench serve` sends (first turns of the evaluation sets, round
 robin, through the chat template):
 
-- ``offline``: an ``Engine`` (the server's engine, continuous batching, max batch C) in this process, the clients
+- ``offline``: an ``Engine`` (the server's engine, continuous batching, max batch C, `dspark serve`'s defaults for the
+  prefix cache and the KV cache held from the start) in this process, the clients
   threads calling ``submit(...).result()``: no HTTP, no detokenisation, no event loop;
 - ``server``: a `dspark --threads 1 serve --drafter none --max-batch C` subprocess (engine core in its own process,
   the default), the clients `dspark bench serve`'s streaming HTTP clients (``closed_loop``).
@@ -42,9 +43,12 @@ def _free_port() -> int:
 
 def offline_rate(target, prompt_ids: list[list[int]], concurrency: int, num_requests: int, max_tokens: int) -> float:
     from dspark.sampling.processing import SamplingParams
+    from dspark.serving.cli import kv_settings
     from dspark.serving.engine import Engine, EngineConfig
 
-    engine = Engine(target, None, None, EngineConfig(max_batch=concurrency, max_queue=num_requests)).start()
+    defaults = argparse.Namespace(max_batch=concurrency, prefix_cache=None, kv_reserve=None)  # as `dspark serve`'s
+    engine = Engine(target, None, None, EngineConfig(max_batch=concurrency, max_queue=num_requests,
+                                                     **kv_settings(defaults, target))).start()
     counter = iter(range(num_requests))
     lock = threading.Lock()
     tokens = [0]
@@ -134,7 +138,8 @@ def main() -> None:
         f"SmolLM2-135M; {args.num_requests} requests of {args.max_tokens} new tokens per point, closed-loop clients, "
         f"median of {args.rounds} rounds, offline and server alternated). `offline`: the serving `Engine` in "
         "process, clients as threads (no HTTP); `server`: `dspark serve` in a subprocess, streaming HTTP clients "
-        "(`dspark bench serve`'s). Total completion tokens per second.",
+        "(`dspark bench serve`'s); both with `dspark serve`'s defaults (a prefix cache of C prompts, the KV cache "
+        "held from the start). Total completion tokens per second.",
         "",
         *markdown_table(["clients", "offline (tok/s)", "server (tok/s)", "server / offline"], rows),
         "",

@@ -8,13 +8,14 @@
 #
 # Rows (ROWS=all or a comma list of these):
 #   vllm-plain, vllm-plain-noprefix (--no-enable-prefix-caching: the load replays its prompts at every level, which
-#   vLLM's prefix cache, on by default, serves from memory; so does dspark's, see dspark-plain-prefix),
+#   vLLM's prefix cache, on by default, serves from memory; so does dspark's, see dspark-plain-noprefix),
 #   vllm-ngram (num_speculative_tokens 7, n-grams 3 down to 1: our prompt lookup's settings),
 #   vllm-eagle3 (EAGLE3=CKPT, an Eagle3 checkpoint of 3 target layers, exported with `dspark export --to vllm`;
-#   without one the row is skipped, nothing is trained), dspark-plain (--drafter none; prompt chunks ride in the
-#   decode step's pass, the default), dspark-plain-invariant (the same with --batch-invariant: prompt chunks in
-#   passes of their own, greedy text independent of the load; not in ROWS=all), dspark-plain-prefix
-#   (--prefix-cache 32 --kv-reserve 2048: vllm-plain's counterpart, prompts kept; not in ROWS=all), dspark-lookup
+#   without one the row is skipped, nothing is trained), dspark-plain (--drafter none; the defaults: prompt chunks
+#   ride in the decode step's pass, a prefix cache of --max-batch prompts, the KV cache held from the start),
+#   dspark-plain-invariant (the same with --batch-invariant: prompt chunks in passes of their own, greedy text
+#   independent of the load; not in ROWS=all), dspark-plain-noprefix (--prefix-cache 0 --kv-reserve 0:
+#   vllm-plain-noprefix's counterpart, the cache grown on demand; not in ROWS=all), dspark-lookup
 #   (--drafter prompt-lookup), dspark-fixed1 / -alg1 / -async / -all (DRAFTER with STS, one row per verify policy),
 #   dspark-hybrid (DRAFTER --hybrid, policy HYBRID_POLICY).
 # One server at a time on 127.0.0.1:PORT: started, /health answered, one warm-up request, then the same
@@ -32,7 +33,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 DEFAULT_ROWS=vllm-plain,vllm-plain-noprefix,vllm-ngram,vllm-eagle3,dspark-plain,dspark-lookup,dspark-fixed1,dspark-alg1,dspark-async,dspark-all,dspark-hybrid
-EXTRA_ROWS=dspark-plain-invariant,dspark-plain-prefix  # rows ROWS may name that ROWS=all leaves out
+EXTRA_ROWS=dspark-plain-invariant,dspark-plain-noprefix  # rows ROWS may name that ROWS=all leaves out
 DEFAULTS=(NUM_REQUESTS=32 CONCURRENCY=1,4,16,32 MAX_TOKENS=64 ROWS=all)
 PY=${PY:-$([ -x .venv/bin/python ] && echo .venv/bin/python || command -v python3)}
 VLLM_VENV=${VLLM_VENV:-.venv-vllm}
@@ -142,7 +143,7 @@ row_setup() {
       vllm_argv --speculative-config "$spec" ;;
     dspark-plain) METHOD=plain; dspark_argv --drafter none ;;
     dspark-plain-invariant) METHOD="plain, --batch-invariant"; dspark_argv --drafter none --batch-invariant ;;
-    dspark-plain-prefix) METHOD="plain, prefix cache"; dspark_argv --drafter none --prefix-cache 32 --kv-reserve 2048 ;;
+    dspark-plain-noprefix) METHOD="plain, no prefix cache"; dspark_argv --drafter none --prefix-cache 0 --kv-reserve 0 ;;
     dspark-lookup) METHOD="prompt lookup (7 tokens, n-grams 3..1), policy all"; dspark_argv --drafter prompt-lookup --policy all ;;
     dspark-fixed1) METHOD="DSpark, policy fixed:1"; dspark_drafter --policy fixed:1 ;;
     dspark-alg1) METHOD="DSpark, policy alg1"; dspark_drafter --policy alg1 ;;

@@ -235,6 +235,70 @@ def test_propose_shapes_per_request_limits_and_processing(tiny):
         DSparkDrafter(tiny_dspark(tiny), block_size=9)
 
 
+@torch.inference_mode()
+def _propose_slowly(drafter: DSparkDrafter, req, n: int) -> tuple[list[int], torch.Tensor]:
+    """One request's block the slow way: the head step by step, each token from ``logits_to_probs`` and
+    ``sample_from_probs`` with the request's generator (the per-request loop the batched propose replaced)."""
+    from dspark.modeling.attention import BatchLayout
+    from dspark.sampling.processing import logits_to_probs, sample_from_probs
+
+    m, G = drafter.model, drafter.model.config.block_size
+    block = drafter.propose([req], [0])  # nothing drafted: only the request's context cache is brought up to date
+    assert block.tokens.numel() == 0
+    cache = drafter._context_cache(req)
+    cache.reserve(G)
+    layout = BatchLayout.build([G], [cache], torch.device("cpu"), causal=False)
+    ids = torch.full((1, G), m.config.mask_token_id, dtype=torch.long)
+    ids[0, 0] = req.anchor
+    hidden = m.backbone(m.embed(ids.view(-1)), layout.positions, [], layout).view(1, G, -1)[:, m.config.slot_offset:]
+    prev, state, tokens, probs_out = torch.tensor([req.anchor]), None, [], torch.zeros(n, drafter.vocab_size)
+    for k in range(n):
+        base = m.base_logits(hidden[:, k])
+        cand = None if not drafter.head_top_m else base.topk(drafter.head_top_m, dim=-1).indices
+        state, logits, _ = m.head_step(state, hidden[:, k], prev, base, cand)
+        s = req.sampling
+        probs = logits_to_probs(logits[0], s.temperature, s.top_k, s.top_p)
+        w = int(sample_from_probs(probs, req.generator))
+        tok = w if drafter.draft_vocab is None else int(drafter.draft_vocab[w])
+        tokens.append(tok)
+        if drafter.draft_vocab is None:
+            probs_out[k] = probs
+        else:
+            probs_out[k, drafter.draft_vocab] = probs
+        prev = torch.tensor([tok])
+    return tokens, probs_out
+
+
+@pytest.mark.parametrize("options", [{}, {"head_top_m": 5}, {"draft_vocab": list(range(0, 96, 2))}],
+                         ids=["all-tokens", "top-m", "draft-vocab"])
+def test_batched_propose_is_each_request_drafted_alone_the_slow_way(tiny, options):
+    """Mixed settings, per-request limits and generators (two requests share the global one): every request's
+    tokens, distributions and random stream are those of a per-request loop over the head."""
+    model = tiny_dspark(tiny)
+    settings = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=5),
+                SamplingParams(temperature=0.7, top_k=5, seed=6), SamplingParams(temperature=1.0, top_p=0.6, seed=7),
+                SamplingParams(temperature=1.0)]
+    limits = [4, 2, 4, 0, 3]
+
+    def requests():
+        torch.manual_seed(11)  # the unseeded requests draw from the global generator, in request order
+        return [request_after(tiny, random_tokens(5 + 2 * i, seed=20 + i), LAYER_IDS, sp)
+                for i, sp in enumerate(settings)]
+
+    block = DSparkDrafter(model, **options).propose(requests(), limits)
+    slow_drafter, reqs = DSparkDrafter(model, **options), requests()
+    assert block.num_tokens.tolist() == limits
+    for r, req in enumerate(reqs):  # requests with their own generators: alone is the same stream
+        if settings[r].seed is None or limits[r] == 0:
+            continue
+        tokens, probs = _propose_slowly(slow_drafter, req, limits[r])
+        assert block.tokens[r, :limits[r]].tolist() == tokens
+        torch.testing.assert_close(block.draft_probs[r, :limits[r]], probs)  # matmuls of other shapes: ulps
+    assert torch.equal(block.draft_probs[3], torch.zeros_like(block.draft_probs[3]))  # drafted nothing
+    greedy_tokens, greedy_probs = _propose_slowly(slow_drafter, reqs[0], limits[0])
+    assert block.tokens[0].tolist() == greedy_tokens and torch.equal(block.draft_probs[0], greedy_probs)  # one-hot
+
+
 # --------------------------------------------------------------------------- loss by hand
 
 

@@ -24,7 +24,7 @@ import torch
 import dspark.drafters.dspark.drafter as dspark_drafter
 from dspark.drafters.dspark.drafter import DSparkDrafter
 from dspark.generation.generator import SpeculativeGenerator
-from dspark.sampling.processing import SamplingParams, logits_to_probs, sample_from_probs
+from dspark.sampling.processing import SamplingParams, logits_to_probs, sample_with_uniforms
 from dspark.scheduler.confidence import ConfidenceAdapter
 from dspark.scheduler.policies import (
     AsyncTopKScheduler,
@@ -106,11 +106,11 @@ def _report_draft_probs_without(monkeypatch, sampling: SamplingParams, dropped: 
     (the verifier corrects any proposal it is told the truth about); the bug is the mismatch.
     """
     s, wrong = sampling, dataclasses.replace(sampling, **dropped)
-    monkeypatch.setattr(dspark_drafter, "logits_to_probs",
+    monkeypatch.setattr(dspark_drafter, "logits_to_probs_rows",
                         lambda logits, *_: logits_to_probs(logits, wrong.temperature, wrong.top_k, wrong.top_p))
     # log(reported) * T' recovers the logits up to a constant: sample from the request's processed law
-    monkeypatch.setattr(dspark_drafter, "sample_from_probs", lambda probs, gen: sample_from_probs(
-        logits_to_probs(probs.log() * wrong.temperature, s.temperature, s.top_k, s.top_p), gen))
+    monkeypatch.setattr(dspark_drafter, "sample_with_uniforms", lambda probs, u: sample_with_uniforms(
+        logits_to_probs(probs.log() * wrong.temperature, s.temperature, s.top_k, s.top_p), u))
 
 
 @pytest.mark.parametrize("lossy", [False, True], ids=["lossless", "draft-probs-without-the-setting"])

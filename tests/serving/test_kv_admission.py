@@ -35,6 +35,22 @@ def test_kv_bytes_per_token_from_the_config():
     assert "360.0 MiB held from the start" in line and "2.81 GiB" in line
 
 
+def test_serve_defaults_keep_prompts_and_hold_the_cache_from_the_start_within_a_budget():
+    import argparse
+
+    from dspark.serving.cli import AUTO_KV_RESERVE, KV_RESERVE_BUDGET, default_kv_reserve, kv_settings
+
+    small = argparse.Namespace(max_batch=8, prefix_cache=None, kv_reserve=None)
+    target = argparse.Namespace(kv_bytes_per_token=23_040, max_context=8192)  # SmolLM2-135M in bf16
+    assert kv_settings(small, target) == {"kv_reserve": AUTO_KV_RESERVE, "prefix_cache": 8}  # 16 slots x 2,048
+    assert default_kv_reserve(23_040, 16, 1000) == 1000  # never past the model's context
+    big = default_kv_reserve(147_456, 64, 40_960)  # an 8B model's bf16 KV, 32 + 32 slots: the budget binds
+    assert big % 64 == 0 and big < AUTO_KV_RESERVE and 64 * big * 147_456 <= KV_RESERVE_BUDGET
+    assert default_kv_reserve(10**9, 64, 8192) == 64  # one key block at least
+    given = argparse.Namespace(max_batch=8, prefix_cache=0, kv_reserve=0)  # both off, as given
+    assert kv_settings(given, target) == {"kv_reserve": 0, "prefix_cache": 0}
+
+
 def test_the_engine_sizes_the_pool_for_its_batch_at_start_and_keeps_it():
     target = tiny_target()
     engine = Engine(target, None, None, EngineConfig(max_batch=6, kv_reserve=100, prefix_cache=2))

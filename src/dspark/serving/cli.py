@@ -18,6 +18,10 @@ from dspark.cli_options import add_drafter_options, add_target_options, count, d
 # half that is the most a client should wait for (docs/reports/reliability.md)
 CPU_MAX_PROMPT_TOKENS = 4096
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024  # = serving.limits.DEFAULT_MAX_BODY_BYTES (not imported: start-up time)
+# --kv-reserve's default: positions per slot held from the start, within a byte budget (vLLM's CPU build holds
+# 4 GiB of KV cache by default); the prompts of the serving benchmarks fit (docs/serving/README.md)
+AUTO_KV_RESERVE = 2048
+KV_RESERVE_BUDGET = 4 * 2**30
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -110,15 +114,16 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
                    "among others gives the same greedy text): each prompt fed in pieces cut at multiples of "
                    "--prefill-chunk from its start, one prompt per pass, no --mix-prefill; docs/architecture.md says "
                    "what holds (default: off, the faster shared and mixed passes)")
-    p.add_argument("--kv-reserve", type=count, default=0, metavar="TOKENS",
-                   help="positions per slot the target's KV cache holds for all --max-batch (+ --prefix-cache) "
-                   "slots from the start (the start-up line says how many bytes); a longer request grows it by "
-                   "doubling, a copy of the whole cache; 0: start empty and grow on demand (default: %(default)s)")
-    p.add_argument("--prefix-cache", type=count, default=0, metavar="N",
+    p.add_argument("--kv-reserve", type=count, default=None, metavar="TOKENS",
+                   help="positions per slot the target's KV cache holds for all --max-batch + --prefix-cache slots "
+                   "from the start (the start-up line says how many bytes), so that a load does not stall on the "
+                   "cache's growth, a copy of the whole cache into fresh memory; a longer request still grows it by "
+                   f"doubling; 0: start empty and grow on demand (default: {AUTO_KV_RESERVE} or the model's context, "
+                   f"fewer when the slots would take more than {KV_RESERVE_BUDGET // 2**30} GiB)")
+    p.add_argument("--prefix-cache", type=count, default=None, metavar="N",
                    help="prompts kept after their requests finish (a KV-cache slot each), so that a new prompt "
-                   "sharing a prefix with one of them prefills only the rest, as vLLM's prefix caching; give a "
-                   "--kv-reserve that covers your prompts with it (e.g. --prefix-cache 32 --kv-reserve 2048), as the "
-                   "kept slots make every growth of the cache larger; 0: off (default: %(default)s)")
+                   "sharing a prefix with one of them (a system prompt, an earlier turn) prefills only the rest, as "
+                   "vLLM's prefix caching; 0: off (default: --max-batch)")
     p.set_defaults(func=_serve)
 
 
@@ -167,8 +172,7 @@ def build_engine(args: argparse.Namespace):
                                                           prefill_chunk=args.prefill_chunk or None,
                                                           mix_prefill=args.mix_prefill,
                                                           batch_invariant=args.batch_invariant,
-                                                          kv_reserve=args.kv_reserve,
-                                                          prefix_cache=args.prefix_cache))
+                                                          **kv_settings(args, target)))
     freeze_startup_objects()  # garbage collections scan only what requests allocate (serving.memory)
     return engine
 
@@ -218,8 +222,8 @@ def _serve(args: argparse.Namespace) -> int:
                           sampling_defaults=SamplingDefaults.from_folder(source))
     app = create_app(engine, tokenizer, config)
     freeze_startup_objects()
-    print(kv_cache_line(target.kv_bytes_per_token, args.max_batch, target.max_context, args.kv_reserve,
-                        args.prefix_cache), file=sys.stderr)
+    print(kv_cache_line(target.kv_bytes_per_token, args.max_batch, target.max_context,
+                        **kv_settings(args, target)), file=sys.stderr)
     policy = engine.policy.name if hasattr(engine, "policy") and engine.policy is not None else args.policy
     print(f"[dspark] serving {config.model_name} with drafter {args.drafter}, policy {policy} on "
           f"http://{args.host}:{args.port}/v1{' (API key required)' if api_key else ''}"
@@ -255,7 +259,25 @@ def _size(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
-def kv_cache_line(bytes_per_token: int, max_batch: int, max_context: int, reserve: int = 0,
+def default_kv_reserve(bytes_per_token: int, slots: int, max_context: int) -> int:
+    """--kv-reserve's default: AUTO_KV_RESERVE positions (at most the model's context) for each of ``slots``, fewer
+    (whole key blocks, at least one) when that would take more than KV_RESERVE_BUDGET bytes."""
+    from dspark.modeling.kv_cache import BLOCK
+
+    fit = KV_RESERVE_BUDGET // max(slots * bytes_per_token, 1) // BLOCK * BLOCK
+    return max(min(AUTO_KV_RESERVE, max_context, fit), BLOCK)
+
+
+def kv_settings(args: argparse.Namespace, target) -> dict[str, int]:
+    """The engine's ``kv_reserve`` and ``prefix_cache`` from --kv-reserve and --prefix-cache, defaults resolved."""
+    prefix_cache = args.max_batch if args.prefix_cache is None else args.prefix_cache
+    reserve = args.kv_reserve
+    if reserve is None:
+        reserve = default_kv_reserve(target.kv_bytes_per_token, args.max_batch + prefix_cache, target.max_context)
+    return {"kv_reserve": reserve, "prefix_cache": prefix_cache}
+
+
+def kv_cache_line(bytes_per_token: int, max_batch: int, max_context: int, kv_reserve: int = 0,
                   prefix_cache: int = 0) -> str:
     """The start-up line that states the KV cache's size: per token, held from the start, and the most it can reach."""
     from dspark.modeling.kv_cache import BLOCK
@@ -263,9 +285,9 @@ def kv_cache_line(bytes_per_token: int, max_batch: int, max_context: int, reserv
 
     slots = max_batch + prefix_cache
     bound = kv_cache_bound(bytes_per_token, max_batch, max_context, prefix_cache)
-    held = slots * -(-min(reserve, max_context) // BLOCK) * BLOCK * bytes_per_token
-    start = f"{_size(held)} held from the start ({reserve:,} positions x {slots} slots, --kv-reserve); "
-    start = start if reserve else ""
+    held = slots * -(-min(kv_reserve, max_context) // BLOCK) * BLOCK * bytes_per_token
+    start = f"{_size(held)} held from the start ({kv_reserve:,} positions x {slots} slots, --kv-reserve); "
+    start = start if kv_reserve else ""
     kept = f" and --prefix-cache {prefix_cache}" if prefix_cache else ""
     return (f"[dspark] KV cache: {bytes_per_token:,} bytes per token of a request (2 x layers x KV heads x head dim "
             f"x dtype bytes); {start}at most {_size(bound)} with --max-batch {max_batch}{kept} at the model's "

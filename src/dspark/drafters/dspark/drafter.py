@@ -37,7 +37,12 @@ from dspark.modeling.attention import BatchLayout
 from dspark.modeling.kv_cache import KVCache, KVPool
 from dspark.modeling.layers import Rope
 from dspark.modeling.packed import pack_all_linears
-from dspark.sampling.processing import logits_to_probs, sample_from_probs
+from dspark.sampling.processing import logits_to_probs_rows, sample_with_uniforms
+
+
+def _uniform(generator: torch.Generator | None) -> torch.Tensor:
+    """(1,) one uniform from a request's generator, as ``sample_from_probs`` draws it (its device's stream)."""
+    return torch.rand(1, generator=generator, device=generator.device if generator is not None else None).cpu()
 
 
 class DSparkDrafter:
@@ -141,26 +146,32 @@ class DSparkDrafter:
         prev = torch.tensor([req.anchor for req in requests], dtype=torch.long, device=dev)  # x_{-1} = anchor
         base, cand = self._base_logits(hidden[:, :K].reshape(R * K, -1), R, K)  # (R, K, W), (R, K, M) or None
         vocab = self.draft_vocab
+        settings = torch.tensor([[r.sampling.temperature, r.sampling.top_k, r.sampling.top_p] for r in requests],
+                                dtype=torch.float64)  # (R, 3)
+        temps, top_k, top_p = settings[:, 0].float(), settings[:, 1].long(), settings[:, 2].float()  # (R,) each
         state = None
         for k in range(K):
             state, logits, conf = m.head_step(state, hidden[:, k], prev, base[:, k],
                                               None if cand is None else cand[:, k])  # (R, W), (R,)
             if conf_logits is not None:
                 conf_logits[:, k] = conf
-            nxt = prev.clone()
-            for r, req in enumerate(requests):
-                if k >= want[r]:
-                    continue
-                s = req.sampling
-                probs = logits_to_probs(logits[r], s.temperature, s.top_k, s.top_p)  # eq. (4), (W,)
-                w = int(sample_from_probs(probs, req.generator))
-                tok = w if vocab is None else int(vocab[w])
-                tokens[r, k], nxt[r] = tok, tok
-                if vocab is None:
-                    draft_probs[r, k] = probs
-                else:  # the distribution sampled from, in V: 0 outside the draft vocabulary
-                    draft_probs[r, k, vocab] = probs.to(draft_probs.dtype)
-            prev = nxt
+            act = [r for r in range(R) if k < want[r]]  # the requests that draft position k
+            rows = slice(None) if len(act) == R else torch.tensor(act, device=dev)  # (A,)
+            # eq. (4) for every drafting request in one call, each row with its own settings (row by row: what a
+            # call of its own gives); then one uniform per request from its generator, in request order
+            probs = logits_to_probs_rows(logits[rows], temps[rows], top_k[rows], top_p[rows])  # (A, W)
+            uniforms = torch.cat([_uniform(requests[r].generator) for r in act])  # (A,)
+            w = sample_with_uniforms(probs, uniforms)  # (A,)
+            tok = w if vocab is None else vocab[w]
+            tokens[rows, k] = tok
+            prev = prev.clone()
+            prev[rows] = tok
+            if vocab is None:
+                draft_probs[rows, k] = probs
+            elif len(act) == R:  # the distribution sampled from, in V: 0 outside the draft vocabulary
+                draft_probs[:, k, vocab] = probs.to(draft_probs.dtype)
+            else:
+                draft_probs[rows[:, None], k, vocab[None, :]] = probs.to(draft_probs.dtype)
         if conf_logits is not None:
             conf_logits *= torch.arange(K, device=dev)[None, :] < num_tokens[:, None]
         return DraftBlock(tokens, num_tokens, draft_probs, conf_logits)

@@ -1,0 +1,67 @@
+"""DSpark's drafting step, timed: ``DSparkDrafter.propose`` of the reference drafter for R requests, K drafts each.
+
+    PYTHONPATH=src python scripts/propose_time.py                       # 1, 8 and 32 requests, settings mixed
+    PYTHONPATH=/tmp/old/src python scripts/propose_time.py --greedy     # another commit's src (git archive)
+
+SmolLM2-135M in bf16 (fused, prepacked) with checkpoints/smollm2-135m-dspark (head over its top 64 tokens, as the
+demo runs it), one thread; each request has a 200-token context of the first turn of an evaluation prompt and its
+own settings, mixed greedy / temperature 1 / temperature 0.7 with top-k 50 / temperature 1 with top-p 0.9 and a
+seeded generator (``--greedy``: all greedy). Prints the median milliseconds of 20 proposals after 3 warm-up ones per
+R, and a checksum of the proposed tokens (equal checksums: the same drafts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--requests", default="1,8,32", help="comma list of R (default: %(default)s)")
+    p.add_argument("--drafts", type=int, default=7)
+    p.add_argument("--greedy", action="store_true", help="every request greedy")
+    p.add_argument("--repeats", type=int, default=20)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+
+    from dspark.data.eval_sets import load_eval_dataset
+    from dspark.drafters.base import RequestState
+    from dspark.drafters.options import DraftingOptions
+    from dspark.drafters.registry import load_drafter
+    from dspark.sampling.processing import SamplingParams
+    from dspark.target.model import load_target
+
+    target = load_target("smollm2-135m", dtype=torch.bfloat16, fuse=True, pack=True)
+    drafter = load_drafter("checkpoints/smollm2-135m-dspark", target,
+                           DraftingOptions(head_top_m=64, dtype="bfloat16"))
+    texts = [s.prompt for s in load_eval_dataset("mt-bench", limit=40).samples]
+    mixed = [dict(temperature=0.0), dict(temperature=1.0), dict(temperature=0.7, top_k=50),
+             dict(temperature=1.0, top_p=0.9)]
+    for R in (int(x) for x in args.requests.split(",")):
+        reqs = []
+        for i in range(R):
+            ids = (target.encode_chat(texts[i % len(texts)]) * 8)[:200]
+            sp = SamplingParams(**({"temperature": 0.0} if args.greedy else mixed[i % 4]), seed=i, max_new_tokens=64)
+            req = RequestState(f"r{i}", len(ids) - 1, list(ids), sp, sp.make_generator())
+            out = target.forward(torch.tensor(ids[:-1]), [len(ids) - 1], None,
+                                 capture_layers=drafter.target_layer_ids, logits_for="none")
+            req.context_features = out.features
+            reqs.append(req)
+        times, checksum = [], 0
+        with torch.inference_mode():
+            for i in range(3 + args.repeats):
+                t0 = time.perf_counter()
+                block = drafter.propose(reqs, [args.drafts] * R)
+                if i >= 3:
+                    times.append((time.perf_counter() - t0) * 1000)
+                checksum += int((block.tokens * torch.arange(1, block.tokens.numel() + 1).view_as(block.tokens)).sum())
+        print(f"R={R:3d} K={args.drafts}: {statistics.median(times):7.2f} ms per propose (median of {args.repeats}), "
+              f"tokens checksum {checksum}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
