@@ -89,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python scripts/kv_admission.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "statuses": {str(k): v for k, v in sorted(statuses.items())}, "refusals": messages,
         "health_after": health, "kv_bytes_per_token": target.kv_bytes_per_token,
-        **kv, "pool_slots": pool.num_slots, "pool_capacity": pool.capacity, "pool_bytes": pool_bytes, "bound_bytes": bound,
+        **kv, "pool_slots": pool.num_slots, "pool_capacity": pool.capacity, "pool_bytes": pool_bytes,
+        "bound_bytes": bound,
         "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "load_average": os.getloadavg(),
     }
     print(json.dumps(result, indent=1))

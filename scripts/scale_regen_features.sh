@@ -6,9 +6,13 @@
 # regeneration goes on. Training reads the finished slices as one list (scripts/scale_train.sh regen).
 #
 #   bash scripts/scale_regen_features.sh     # R=runs/scale PROCS=1 (one core: vLLM holds the other)
+#   PROCS=2 bash scripts/scale_regen_features.sh all   # every slice still to make, one after the other
 #
 # Resumable: an unfinished slice (interrupted features) is finished first, with the same number of processes;
-# the slices so far are listed in $R/regen-slices.tsv (name, first line, end line).
+# the slices so far are listed in $R/regen-slices.tsv (name, first line, end line). Where the committed slicing
+# ($SLICING, default datasets/smollm2-135m-regenerated/slices.tsv, the same columns) names the next slice, it
+# ends where that row says, so a fresh machine rebuilds the slices the reports name; append a row there for
+# a new slice worth keeping.
 set -euo pipefail
 DSPARK=${DSPARK:-.venv/bin/dspark}
 TORCHRUN=${TORCHRUN:-.venv/bin/torchrun}
@@ -16,6 +20,7 @@ R=${R:-runs/scale}
 PROCS=${PROCS:-1}
 SRC=$R/regenerated-R.jsonl
 LIST=$R/regen-slices.tsv
+SLICING=${SLICING:-datasets/smollm2-135m-regenerated/slices.tsv}
 [ -f "$SRC" ] || { echo "no $SRC: run scripts/scale_regenerate.sh first"; exit 2; }
 touch "$LIST"
 last=$(tail -n 1 "$LIST")
@@ -26,6 +31,9 @@ else
   end=$(wc -l < "$SRC")  # complete lines only: a record is written as one line
   [ "$end" -gt "$start" ] || { echo "no new records in $SRC since line $start"; exit 0; }
   name=R$(( $(wc -l < "$LIST") + 1 ))
+  planned=""
+  [ -f "$SLICING" ] && planned=$(awk -F'\t' -v n="$name" -v s="$start" '$1 == n && $2 == s {print $3}' "$SLICING")
+  [ -n "$planned" ] && [ "$planned" -le "$end" ] && end=$planned
   printf '%s\t%s\t%s\n' "$name" "$start" "$end" >> "$LIST"
 fi
 echo "slice $name: records $start-$end of $SRC"
@@ -37,3 +45,5 @@ launch=($DSPARK --threads 1)
 [ "$PROCS" -gt 1 ] && launch=($TORCHRUN --nproc_per_node "$PROCS" -m dspark.cli --threads 1)
 "${launch[@]}" data features --config smollm2-dspark-markov --dtype bfloat16 --data "$R/tok-$name" \
   --out "$R/features-$name" --max-length 1024
+[ "${1:-}" = all ] && exec bash "$0" all
+exit 0

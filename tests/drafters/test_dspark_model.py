@@ -272,8 +272,9 @@ def _propose_slowly(drafter: DSparkDrafter, req, n: int) -> tuple[list[int], tor
 @pytest.mark.parametrize("options", [{}, {"head_top_m": 5}, {"draft_vocab": list(range(0, 96, 2))}],
                          ids=["all-tokens", "top-m", "draft-vocab"])
 def test_batched_propose_is_each_request_drafted_alone_the_slow_way(tiny, options):
-    """Mixed settings, per-request limits and generators (two requests share the global one): every request's
-    tokens, distributions and random stream are those of a per-request loop over the head."""
+    """Mixed settings, per-request limits and generators (two requests share the global one): the greedy request
+    and every seeded one get the tokens and distributions of a per-request loop over the head (the same random
+    stream); a request with no drafts gets none."""
     model = tiny_dspark(tiny)
     settings = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=5),
                 SamplingParams(temperature=0.7, top_k=5, seed=6), SamplingParams(temperature=1.0, top_p=0.6, seed=7),

@@ -249,23 +249,45 @@ def test_bf16_goes_through_the_fused_kernel_and_agrees_with_the_block_split_path
 def test_bf16_rows_are_the_same_in_any_split_of_the_batch(monkeypatch, rows):
     """The fused path splits the batch into calls over runs of consecutive slots (``key_groups``); the split is
     about speed only: one call for all, one per request and the planned split give every row the same bits."""
+    monkeypatch.setattr(attention_mod, "padding_invariant", lambda: True)  # the planner's split (next test: else)
     caches, q, k, v = _pool_batch([900, 60, 7, 300], rows, 9, 3, seed=2)
     layout = BatchLayout.build(rows, caches, torch.device("cpu"))
     planned = attention_mod.key_groups(layout)
     assert [(g.count, g.keys) for g in planned] == [(1, 960), (2, 64), (1, 320)]  # 900 and 300 keys alone
     splits = {"planned": None,
-              "one call": [attention_mod.KeyGroup(None, 0, 4, 960)],
               "per request": [attention_mod.KeyGroup(torch.tensor([r]), r, 1, n)
                               for r, n in enumerate(layout.key_lens)]}
+    if real_padding_invariant():  # else this CPU's fused kernel rounds by key padding: the planned groups here pad
+        splits["one call"] = [attention_mod.KeyGroup(None, 0, 4, 960)]  # no request, one call pads all to 960
     outs = {}
     for name, split in splits.items():
         if split is not None:
             monkeypatch.setattr(attention_mod, "key_groups", lambda layout, split=split: split)
         outs[name] = _attend(caches, rows, q, k, v)
-    assert torch.equal(outs["planned"], outs["one call"]) and torch.equal(outs["planned"], outs["per request"])
+    assert all(torch.equal(outs["planned"], out) for out in outs.values())
 
 
-def test_key_groups_follow_consecutive_slots_and_lengths():
+real_padding_invariant = attention_mod.padding_invariant
+
+
+def test_where_key_padding_moves_bits_every_request_is_attended_alone(monkeypatch):
+    """A CPU whose fused kernel rounds by key padding (``padding_invariant`` false) gets one call per request,
+    and each request's rows are then the bits it gets alone in the batch, whatever else the batch holds."""
+    monkeypatch.setattr(attention_mod, "padding_invariant", lambda: False)
+    rows = [8, 1, 3, 8]
+    caches, q, k, v = _pool_batch([900, 60, 7, 300], rows, 9, 3, seed=2)
+    layout = BatchLayout.build(rows, caches, torch.device("cpu"))
+    assert [(g.count, g.keys) for g in attention_mod.key_groups(layout)] == [(1, 960), (1, 64), (1, 64), (1, 320)]
+    batched = _attend(caches, rows, q, k, v)
+    first = 0
+    for r, n in enumerate(rows):
+        alone = _attend([caches[r]], [n], q[first : first + n], k[first : first + n], v[first : first + n])
+        assert torch.equal(batched[first : first + n], alone), r
+        first += n
+
+
+def test_key_groups_follow_consecutive_slots_and_lengths(monkeypatch):
+    monkeypatch.setattr(attention_mod, "padding_invariant", lambda: True)
     caches, *_ = _pool_batch([100, 100, 100, 100, 100, 100], [1] * 6, 9, 3, seed=3)
     order = [caches[i] for i in (3, 4, 5, 0, 1, 2)]  # the batch in another order than its slots
     groups = attention_mod.key_groups(BatchLayout.build([1] * 6, order, torch.device("cpu")))

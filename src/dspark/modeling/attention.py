@@ -26,10 +26,13 @@ In bfloat16 on the CPU (no soft-capping, no gradient) the same guarantee comes f
 faster per call here (scripts/fused_attention.py), over views of the pool: one call per run of consecutive slots,
 split where padding to the run's longest request costs more than another call (``key_groups``). Each KV head's
 query heads are folded into query rows, (R, Hkv, g*T, D),
-so every matmul of the kernel has at least two rows (a lone row is sent twice): oneDNN's bf16 matmuls give a row
-the same bits whatever the number of rows and however many masked keys pad it, which the kernel's online softmax
-then keeps. float32 matmuls do not (MKL picks kernels by shape), so float32 keeps the block-split path; the tests
-check both paths bitwise. On a GPU the padded block goes to SDPA (fused kernels; no such guarantee).
+so every matmul of the kernel has at least ``MIN_ROWS`` rows (fewer are repeated up to it): oneDNN's bf16 matmuls
+give a row the same bits whatever the number of rows from there on, which the kernel's online softmax then keeps
+(below 4 rows torch takes other kernels, whose rows differ on some CPUs: 1-3 rows on an AVX512-BF16 AMD EPYC, 1 on
+Intel AMX parts). However many masked keys pad a row changes no bit on those Intel parts, but does on the AMD one
+(``padding_invariant``: there each request is attended alone). float32 matmuls do not keep a row's bits across
+shapes (MKL picks kernels by shape), so float32 keeps the block-split path; the tests check both paths bitwise.
+On a GPU the padded block goes to SDPA (fused kernels; no such guarantee).
 
 With the decoder's C kernels on (``Decoder.attention_kernel``) the decode and verify rows of all requests go to
 ``cpu_kernels.attention`` in one call per layer instead, each token reading positions ``lo .. hi-1`` of its slot
@@ -43,6 +46,7 @@ D = head dim, P = slots, C = capacity.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass, field
 
@@ -60,6 +64,8 @@ FUSED_CPU_ATTENTION = True
 #: requests with more query rows than this (prefill pieces) attend on their own: padding every request's queries
 #: to the longest piece would multiply the work, and a prefill piece is heavy enough to pay a call of its own
 LONG_QUERY = 16
+#: the fewest query rows the fused CPU path sends SDPA (module doc): a decode step's g rows are repeated up to it
+MIN_ROWS = 4
 
 
 @dataclass
@@ -145,13 +151,13 @@ class BatchLayout:
             self._masks[window] = allowed
         return self._masks[window]
 
-    def row_mask(self, window: int | None, group: int) -> torch.Tensor:  # (R, 1, M, S) bool, M = max(group*T, 2)
+    def row_mask(self, window: int | None, group: int) -> torch.Tensor:  # (R, 1, M, S) bool, M = fused_rows(...)
         """``mask`` with each row repeated for the ``group`` query heads that share a KV head (rows (g, t), as
-        ``fused_cpu_attention`` folds them); a single row is repeated twice."""
+        ``fused_cpu_attention`` folds them), the (g, t) rows repeated as a whole up to ``MIN_ROWS``."""
         key = ("rows", window, group)
         if key not in self._masks:
             R, T = self.num_requests, self.rows
-            rows = max(group * T, 2)
+            rows = fused_rows(group * T)
             self._masks[key] = self.mask(window)[:, None, None].expand(R, 1, rows // T, T, self.kv_len).reshape(
                 R, 1, rows, self.kv_len)
         return self._masks[key]
@@ -403,14 +409,15 @@ def fused_cpu_attention(
     """Torch's fused CPU attention over each request's first S keys, load-independent in bfloat16 (module doc).
 
     Query head h reads KV head h // g, so the g query heads of a KV head become g*T rows of one head: the kernel
-    multiplies at least g rows at once, and a lone row (g*T = 1) is sent twice, never as a one-row product."""
+    multiplies at least g rows at once, and fewer than ``MIN_ROWS`` rows (a decode step's g*T) are repeated up to it:
+    a small product would take another kernel and round otherwise."""
     Hkv, D = keys.shape[1], keys.shape[3]
     Hq, T, R = q.shape[1], layout.rows, layout.num_requests
     g = Hq // Hkv
     qf = layout.pad_rows(q).view(R, T, Hkv, g, D).permute(0, 2, 3, 1, 4).reshape(R, Hkv, g * T, D)  # rows (g, t)
-    mask = layout.row_bias(window, g, q.dtype)  # (R, 1, M, S), M = max(g*T, 2): 0 or -inf, as SDPA makes of a bool mask
-    if qf.shape[2] < mask.shape[2]:  # one row: sent twice
-        qf = qf.expand(R, Hkv, 2, D)
+    mask = layout.row_bias(window, g, q.dtype)  # (R, 1, M, S), M = fused_rows(g*T): 0 or -inf (SDPA's bool mask)
+    if qf.shape[2] < mask.shape[2]:  # too few rows: the (g, t) rows repeated as a whole
+        qf = qf.repeat(1, 1, mask.shape[2] // qf.shape[2], 1)
     groups = key_groups(layout)
     if len(groups) == 1 and groups[0].requests is None:  # the whole batch in one call
         out = F.scaled_dot_product_attention(qf, *_group_keys(keys, values, groups[0]),
@@ -427,6 +434,12 @@ def fused_cpu_attention(
     return layout.unpad_rows(out)
 
 
+def fused_rows(rows: int) -> int:
+    """The query rows the fused CPU path sends for ``rows`` folded rows: whole repeats of them, at least
+    ``MIN_ROWS``."""
+    return rows * -(-MIN_ROWS // rows)
+
+
 #: what one more fused-attention call costs, in keys read (measured on SmolLM2's heads, one thread: ~16 us)
 CALL_KEYS = 192
 
@@ -441,6 +454,23 @@ class KeyGroup:
     keys: int  # the longest request's keys, whole blocks: the others' extra keys are masked
 
 
+@functools.cache
+def padding_invariant() -> bool:
+    """Whether torch's fused bf16 CPU attention gives a row the same bits however many masked keys pad it, on
+    this CPU (probed once per process: 3 heads, 24 rows, 300 keys read as 320, 512 and 960). The Intel AMX parts
+    the fused path was measured on passed the bitwise split tests this stands for; an AVX512-BF16 AMD EPYC does
+    not (there 320 and 576 keys agree, 512 and 960 do not). Where it is false, ``key_groups`` gives each request a call of its own, over its own keys only."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 3, 24, 64, generator=g).to(torch.bfloat16)
+    k, v = (torch.randn(1, 3, 960, 64, generator=g).to(torch.bfloat16) for _ in range(2))
+    outs = []
+    for keys in (320, 512, 960):
+        mask = torch.full((1, 1, 24, keys), float("-inf"), dtype=torch.bfloat16)
+        mask[..., :300] = 0
+        outs.append(F.scaled_dot_product_attention(q, k[:, :, :keys], v[:, :, :keys], attn_mask=mask, scale=0.125))
+    return all(torch.equal(outs[0], o) for o in outs[1:])
+
+
 def key_groups(layout: BatchLayout) -> list[KeyGroup]:
     """How the fused path splits the batch, once per forward (every layer uses it).
 
@@ -448,11 +478,17 @@ def key_groups(layout: BatchLayout) -> list[KeyGroup]:
     (``CALL_KEYS``), and a call's keys must be one view of the pool: consecutive slots. The batch is sorted by
     slot, cut into runs of consecutive slots, and each run into the segments that minimise that cost (dynamic
     programming over the run: a lone 900-key request among 60-key ones gets a call of its own). The split is about
-    speed only: every row gets the same bits in any group (module doc)."""
+    speed only: every row gets the same bits in any group (module doc) where ``padding_invariant()``; elsewhere
+    every request is a group of its own, so that a row's bits depend on its own request only."""
     if "key_groups" in layout._masks:
         return layout._masks["key_groups"]
     slots, lens = layout.slot_list, layout.key_lens
     R = len(slots)
+    if not padding_invariant():
+        groups = ([KeyGroup(None, slots[0], 1, lens[0])] if R == 1 else
+                  [KeyGroup(torch.tensor([r]), slots[r], 1, lens[r]) for r in sorted(range(R), key=slots.__getitem__)])
+        layout._masks["key_groups"] = groups
+        return groups
     order = sorted(range(R), key=lambda r: slots[r])
     runs, run = [], [order[0]]
     for r in order[1:]:

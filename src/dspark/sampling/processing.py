@@ -188,10 +188,14 @@ def sample_from_probs(
     a request consumes does not depend on the vocabulary layout or batch.
     """
     n = 1 if probs.dim() == 1 else probs.reshape(-1, probs.shape[-1]).shape[0]
-    # uniforms come from the generator's device (a request's generator is on the CPU), then join the probs
-    u = torch.rand(n, 1, generator=generator, device=generator.device if generator is not None else None)
-    idx = sample_with_uniforms(probs.reshape(-1, probs.shape[-1]), u.reshape(-1))
+    idx = sample_with_uniforms(probs.reshape(-1, probs.shape[-1]), draw_uniforms(generator, n))
     return idx[0] if probs.dim() == 1 else idx
+
+
+def draw_uniforms(generator: torch.Generator | None, n: int = 1) -> torch.Tensor:  # (n,) on the generator's device
+    """``n`` uniforms from a request's generator (None: the global one), drawn on the generator's device (its
+    stream; a request's generator is on the CPU): what ``sample_from_probs`` consumes, one per row."""
+    return torch.rand(n, generator=generator, device=generator.device if generator is not None else None)
 
 
 def sample_with_uniforms(

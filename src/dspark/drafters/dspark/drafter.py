@@ -37,12 +37,7 @@ from dspark.modeling.attention import BatchLayout
 from dspark.modeling.kv_cache import KVCache, KVPool
 from dspark.modeling.layers import Rope
 from dspark.modeling.packed import pack_all_linears
-from dspark.sampling.processing import logits_to_probs_rows, sample_with_uniforms
-
-
-def _uniform(generator: torch.Generator | None) -> torch.Tensor:
-    """(1,) one uniform from a request's generator, as ``sample_from_probs`` draws it (its device's stream)."""
-    return torch.rand(1, generator=generator, device=generator.device if generator is not None else None).cpu()
+from dspark.sampling.processing import draw_uniforms, logits_to_probs_rows, sample_with_uniforms
 
 
 class DSparkDrafter:
@@ -160,7 +155,7 @@ class DSparkDrafter:
             # eq. (4) for every drafting request in one call, each row with its own settings (row by row: what a
             # call of its own gives); then one uniform per request from its generator, in request order
             probs = logits_to_probs_rows(logits[rows], temps[rows], top_k[rows], top_p[rows])  # (A, W)
-            uniforms = torch.cat([_uniform(requests[r].generator) for r in act])  # (A,)
+            uniforms = torch.cat([draw_uniforms(requests[r].generator).cpu() for r in act])  # (A,)
             w = sample_with_uniforms(probs, uniforms)  # (A,)
             tok = w if vocab is None else vocab[w]
             tokens[rows, k] = tok
