@@ -200,3 +200,24 @@ def test_mixed_settings_in_one_batch_give_each_request_its_text_alone():
     assert together == alone
     swapped = [gen.generate([p], [s])[0].output_ids for p, s in zip(PROMPTS, [sp[2], sp[1], sp[0]])]
     assert swapped[0] != together[0]  # negative control: the settings and seeds do reach each request
+
+
+def test_async_skips_the_drafter_where_its_cost_model_says_plain_steps_are_faster():
+    """The asynchronous scheduler's draft gate on a cost model whose drafting costs 1 s a step: after its lagged
+    survivals it decodes plain steps, then whichever kind of step it measured faster, trying the other every
+    ``probe_every`` steps (so both kinds run, whatever the timings); the greedy text stays plain."""
+    from dspark.drafters.dspark.drafter import DSparkDrafter
+    from dspark.scheduler.policies import AsyncTopKScheduler
+    from dspark.scheduler.step_cost import CostCurve, StepCostModel
+    from tests.drafters.tiny_drafters import tiny_dspark
+
+    target = tiny_target(seed=1)
+    sp = SamplingParams(temperature=0.0, max_new_tokens=40)
+    ref = plain(target, PROMPTS, sp)
+    verify = CostCurve(tuple(range(1, 65)), tuple(10.0 + b for b in range(1, 65)))
+    costly = StepCostModel(verify, 64, draft=CostCurve((1,), (1000.0,)))
+    policy = AsyncTopKScheduler(costly, lag=1, probe_every=5)
+    out = SpeculativeGenerator(target, DSparkDrafter(tiny_dspark(target, seed=3)), policy=policy).generate(PROMPTS, sp)
+    assert [r.output_ids for r in out] == ref
+    proposed = sum(r.stats.num_proposed for r in out)
+    assert policy.skipped_steps > 0 and proposed > 0, (policy.skipped_steps, proposed)

@@ -205,3 +205,28 @@ def test_negative_control_leaking_policies_are_rejected(name):
     drafts' survivals (retrospective search, async with lag 0) must fail the same check."""
     fit, _ = _run_policy(*BIASED_POLICIES[name])
     assert not fit.passes and fit.p_value < REJECT_P, fit
+
+
+class EveryOtherStepDrafts(PerGroup):
+    """A draft gate (``AsyncTopKScheduler.should_draft``'s hook) that skips the drafter in every other step:
+    decided before the step from the step count alone, as the real gate decides from past steps."""
+
+    def __init__(self) -> None:
+        super().__init__(lambda: FixedLength(2), 1)
+        self.gates: list[bool] = []
+
+    def should_draft(self, num_requests: int) -> bool:
+        self.gates.append(len(self.gates) % 2 == 1)
+        return self.gates[-1]
+
+
+def test_steps_that_skip_the_drafter_keep_the_target_law():
+    """A skipped step verifies the anchors alone (a plain step); the next drafting step's drafter catches up on
+    the context it missed. The joint law of the 2nd and 3rd tokens holds across both kinds of step."""
+    target = _target()
+    policy = EveryOtherStepDrafts()
+    out = _generate(target, _drafter(target), T1, ConfidenceAdapter(policy, sts_temperatures=STS))
+    fit = goodness_of_fit(pair_samples(out, V), drafted_pair_law(target, PROMPT, T1))
+    assert fit.passes, fit
+    assert True in policy.gates and False in policy.gates
+    assert int(torch.cat(policy.lengths).sum()) > 0  # the drafting steps did verify drafts

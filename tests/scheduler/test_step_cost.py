@@ -232,3 +232,69 @@ def test_make_policy_takes_a_step_cost_model() -> None:
     adapter = make_policy("alg1", model)
     assert adapter.policy.cost is model
     assert make_policy("async", SPSTable.flat()).policy.cost.verify_only
+
+
+# ------------------------------------------------------------------ the draft gate
+# One request, c = .9 .8 .7 .6 .5 .4; verify_ms(B) = 10 + 2B. A plain step: 1 token in 12 ms (.0833 per ms).
+GATE_C, GATE_N = conf([[0.9, 0.8, 0.7, 0.6, 0.5, 0.4]]), counts([6])
+
+
+def _gate(draft_ms: float, **kwargs) -> AsyncTopKScheduler:
+    policy = AsyncTopKScheduler(StepCostModel(linear_verify(64, 10.0, 2.0), 64, draft=CostCurve((1,), (draft_ms,))),
+                                lag=1, **kwargs)
+    assert policy.should_draft(1)  # no survivals seen yet: draft
+    policy.choose(GATE_C, GATE_N)
+    return policy
+
+
+def test_async_drafts_only_where_drafting_beats_a_plain_step() -> None:
+    # drafting 40 ms: the best drafting step is 3.577 tokens in 62 ms (.0577 per ms) < .0833: plain steps
+    assert not _gate(40.0).should_draft(1)
+    # drafting 1 ms: 3.124 tokens in 19 ms (.164 per ms) > .0833: draft
+    assert _gate(1.0).should_draft(1)
+    # no drafting cost in the model (an SPS table): the gate never skips
+    table = AsyncTopKScheduler(StepCostModel(linear_verify(64, 10.0, 2.0), 64), lag=1)
+    table.choose(GATE_C, GATE_N)
+    assert table.should_draft(1)
+
+
+def test_the_gate_scales_the_survivals_to_the_step_s_requests() -> None:
+    # 16 ms of drafting: one request's best is 3.426 tokens in 10 + 2 * 5 + 16 = 36 ms -> .0952 > 1 / 12: draft.
+    # At 4 requests the survivals count 4 times: the best, 4 * 3.124 tokens in 10 + 2 * 16 + 16 = 58 ms -> .2154,
+    # is below a plain step's 4 in 18 ms -> .222: skip. Drafting costs 16 ms at any count here.
+    policy = _gate(16.0)
+    assert policy.should_draft(1)
+    assert not policy.should_draft(4)
+    # the scaled pool equals four identical requests' pool at every whole number of requests' worth of drafts
+    four = AsyncTopKScheduler(policy.cost, lag=1)
+    four.choose(GATE_C.repeat(4, 1), GATE_N.repeat(4))
+    assert not four.should_draft(4) and four.should_draft(1)
+
+
+def test_every_probe_every_th_decision_tries_the_other_kind_of_step() -> None:
+    policy = _gate(40.0, probe_every=3)
+    decisions = [policy.should_draft(1) for _ in range(8)]
+    assert decisions == [False, False, True, False, False, True, False, False]
+    assert policy.skipped_steps == 6
+    policy.reset()
+    assert policy.should_draft(1)  # the history is gone: draft until survivals are seen again
+    with pytest.raises(ValueError, match="probe_every"):
+        AsyncTopKScheduler(policy.cost, probe_every=0)
+
+
+def test_measured_rates_of_both_kinds_of_step_overrule_the_model() -> None:
+    policy = _gate(40.0, probe_every=1000)  # the model says: plain steps
+    policy.observe_step(1, True, 3, 0.05)  # drafting measured at 60 tokens/s: one kind alone does not decide
+    assert not policy.should_draft(1)
+    policy.observe_step(1, False, 1, 0.025)  # plain at 40 tokens/s: drafting is faster here after all
+    assert policy.should_draft(1)
+    for _ in range(6):  # plain steps get faster: the moving average (weight 1/4 per step) crosses 60
+        policy.observe_step(1, False, 1, 0.01)
+    assert not policy.should_draft(1)
+    # rates are kept per request count: 2 requests have none yet, so the model answers there
+    policy.observe_step(2, True, 4, 0.05)
+    assert not policy.should_draft(2)
+    policy.observe_step(2, False, 2, 0.1)  # 80 against 20 tokens/s
+    assert policy.should_draft(2) and not policy.should_draft(1)
+    policy.observe_step(2, False, 2, 0.0)  # an untimed step is ignored
+    assert policy.should_draft(2)

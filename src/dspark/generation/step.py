@@ -232,6 +232,13 @@ def _verify(
     return accepted, committed
 
 
+def _draft_gate(policy: VerifyPolicy | ConfidenceAdapter | None):
+    """The policy that decides whether a step drafts (``AsyncTopKScheduler.should_draft``), or None. It decides
+    before any draft exists, from past steps and the request count only, so skipping the drafter is lossless."""
+    inner = policy.policy if isinstance(policy, ConfidenceAdapter) else policy
+    return inner if hasattr(inner, "should_draft") else None
+
+
 def speculative_step(
     target: TargetModel,
     drafter: Drafter,
@@ -253,6 +260,9 @@ def speculative_step(
     # drafts never run past max_new_tokens nor past the context: verify writes 1 + drafts positions
     room = [c.max_length - c.length - 1 if c.max_length is not None else cap for c in caches]
     max_tokens = [max(0, min(cap, b - 1, m)) for b, m in zip(budget, room)]
+    gate = _draft_gate(policy)
+    if gate is not None and max(max_tokens, default=0) > 0 and not gate.should_draft(R):
+        max_tokens = [0] * R  # a plain step: the planner expects drafting to cost more than it brings
 
     t0 = time.perf_counter()
     block = drafter.propose(requests, max_tokens) if max(max_tokens, default=0) > 0 else None
@@ -320,4 +330,7 @@ def speculative_step(
         outcomes.append(StepOutcome(vl[r], acc_counted, emitted, tau, conf, n_prop))
     timings = StepTimings(draft_s=t1 - t0, verify_s=t2 - t1, steps=1, verified_tokens=sum(seq_lens),
                           prefill_complete=complete)
+    if gate is not None and hasattr(gate, "observe_step") and complete is None:  # prompt pieces would blur the rate
+        gate.observe_step(R, block is not None, sum(o.acceptance_length for o in outcomes),
+                          time.perf_counter() - t0)
     return outcomes, timings

@@ -36,6 +36,7 @@ def profile_step_cost(
     seed: int = 0,
     verify: SPSTable | None = None,
     profile: dict | None = None,
+    requests: list[int] | None = None,
 ) -> StepCostModel:
     """The whole-step cost model (``dspark.scheduler.step_cost``): verify passes, drafting and host work.
 
@@ -50,7 +51,12 @@ def profile_step_cost(
       context after each step, so each step sees the same state.
 
     gamma = ``block_size`` (default the drafter's, at least 1). The ``profile`` entries are stored with it.
+    ``requests``: the request counts drafting and host work are timed at (default every R up to
+    ``max_requests``; the curves are floor steps between them).
     """
+    grid = sorted(set(requests)) if requests else list(range(1, max_requests + 1))
+    if grid[0] < 1 or grid[-1] > max_requests:
+        raise ValueError(f"requests must lie in [1, {max_requests}], got {grid}")
     drafter = drafter or NoDrafter(target.vocab_size)
     gamma = max(block_size if block_size is not None else drafter.block_size, 1)
     if verify is None:
@@ -72,7 +78,7 @@ def profile_step_cost(
     draft_ms, host_ms = [], []
     target.forward = timed_forward
     try:
-        for R in range(1, max_requests + 1):
+        for R in grid:
             drafts, hosts = [], []
             for i in range(warmup + repeats):
                 forward_s.clear()
@@ -89,14 +95,13 @@ def profile_step_cost(
             host_ms.append(1000.0 * statistics.median(hosts))
     finally:
         del target.forward  # the instance attribute; the class's method again
-    requests = tuple(range(1, max_requests + 1))
     meta = {"threads": torch.get_num_threads(), "dtype": str(next(target.model.parameters()).dtype).removeprefix(
         "torch."), "device": str(device), "block_size": gamma, "context_len": context_len, "repeats": repeats,
         "target": target.name, "source": "dspark profile"}
     meta.update(profile or {})
     model = StepCostModel.from_sps_table(verify, meta)
-    return StepCostModel(model.verify, model.max_batch_tokens, CostCurve(requests, tuple(draft_ms)),
-                         CostCurve(requests, tuple(host_ms)), meta)
+    return StepCostModel(model.verify, model.max_batch_tokens, CostCurve(tuple(grid), tuple(draft_ms)),
+                         CostCurve(tuple(grid), tuple(host_ms)), meta)
 
 
 def _profile_requests(target: TargetModel, drafter: Drafter, gamma: int, count: int, context_len: int,
@@ -146,9 +151,10 @@ def load_or_profile_cost(
 ) -> StepCostModel | SPSTable:
     """What ``alg1`` / ``async`` plan on, as `dspark serve` and `dspark bench serve` choose it.
 
-    ``path``: a step-cost model or an SPS table file (both load as a ``StepCostModel``). Else, with
-    ``profile_to``: the whole step profiled now (a quick profile: ``repeats`` steps at ``context_len``) and
-    saved there. Else the quick target-only SPS profile of ``load_or_profile``.
+    ``path``: a step-cost model or an SPS table file (both load as a ``StepCostModel``). Else the whole step
+    profiled now (a quick profile: ``repeats`` steps at ``context_len``, drafting and host work at 1, 2, 4, ...
+    requests and ``max_requests``), saved to ``profile_to`` if given. A drafter that drafts nothing (``--drafter
+    none``) gets the quick target-only SPS profile of ``load_or_profile``: it has no drafting to price.
     """
     if path is not None and profile_to is not None:
         raise DSparkError("give a cost table to load (--sps-table) or a file to profile one into "
@@ -156,13 +162,16 @@ def load_or_profile_cost(
     if path is not None:
         return StepCostModel.load(path)
     block = max(drafter.block_size, 1)
-    if profile_to is None:
+    if profile_to is None and (isinstance(drafter, NoDrafter) or drafter.block_size < 1):
         return load_or_profile(None, target, block, max_requests, drafter.target_layer_ids, context_len, repeats,
                                log)
     context_len = max(1, min(context_len, target.max_context - block - 2))
+    grid = sorted({2 ** i for i in range(max_requests.bit_length()) if 2 ** i <= max_requests} | {max_requests})
     log(f"[dspark] profiling the whole step (drafting, verify, host work) of 1..{max_requests} requests x "
-        f"{block + 1} tokens at context {context_len}, into {profile_to}")
+        f"{block + 1} tokens at context {context_len}" + (f", into {profile_to}" if profile_to else
+                                                          " (save one with `dspark profile --step-cost`)"))
     model = profile_step_cost(target, drafter, block, max_requests, context_len, repeats, warmup=1,
-                              profile={"drafter": drafter_name} if drafter_name else None)
-    model.save(profile_to)
+                              profile={"drafter": drafter_name} if drafter_name else None, requests=grid)
+    if profile_to is not None:
+        model.save(profile_to)
     return model

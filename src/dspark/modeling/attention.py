@@ -17,8 +17,8 @@ request are then combined in order (the split softmax of flash-decoding):
 Load independence (CPU): a query row's output is computed the same way whatever else is in the batch.
 Its blocks are the same blocks at the same absolute positions, every block has the same shape, masked
 positions weigh exactly 0, and the combination adds its blocks in their order; query rows are rows of
-the matmuls, which oneDNN computes alike whatever their number
-(docs/architecture.md §Making a step cheap). Prefill pieces go the same way, so a prompt fed in pieces gives the rows it gives whole.
+the matmuls, which oneDNN computes alike whatever their number (docs/architecture.md §Making a step cheap). Prefill
+pieces go the same way, so a prompt fed in pieces gives the rows it gives whole.
 ``tests/modeling/test_attention.py`` checks this bitwise in bfloat16 and float32.
 
 In bfloat16 on the CPU (no soft-capping, no gradient) the same guarantee comes from torch's fused attention
@@ -459,7 +459,8 @@ def padding_invariant() -> bool:
     """Whether torch's fused bf16 CPU attention gives a row the same bits however many masked keys pad it, on
     this CPU (probed once per process: 3 heads, 24 rows, 300 keys read as 320, 512 and 960). The Intel AMX parts
     the fused path was measured on passed the bitwise split tests this stands for; an AVX512-BF16 AMD EPYC does
-    not (there 320 and 576 keys agree, 512 and 960 do not). Where it is false, ``key_groups`` gives each request a call of its own, over its own keys only."""
+    not (there 320 and 576 keys agree, 512 and 960 do not). Where it is false, ``key_groups`` gives each request a
+    call of its own, over its own keys only."""
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, 3, 24, 64, generator=g).to(torch.bfloat16)
     k, v = (torch.randn(1, 3, 960, 64, generator=g).to(torch.bfloat16) for _ in range(2))

@@ -291,14 +291,26 @@ class AsyncTopKScheduler:
     ``default_capacity`` (None = verify every candidate). ``reset`` forgets
     the history. R is this step's request count; the lagged pool may come from
     a different set of requests (an approximation, as in the paper).
+
+    ``should_draft`` decides, before a step drafts, whether it drafts at all
+    (docs/serving/step-cost.md §Skipping the drafter): where the cost model prices drafting (``draft_ms``), a step
+    skips the drafter and verifies its anchors only (``speculative_step``) when a plain step is expected to make
+    more tokens per second. The expectation is the cost model's, on the newest survivals, until ``observe_step``
+    has timed both kinds of step at this request count; from then on it is their measured rates (moving averages
+    of tokens per second). Every ``probe_every``-th decision tries the other kind, to renew what it decides on.
+    It reads past steps and R only, never this step's drafts, so it is lossless like the capacity.
     """
 
     cost: StepCostModel | SPSTable
     lag: int = 2
     default_capacity: int | None = None
+    probe_every: int = 32
     requires_confidences: ClassVar[bool] = True
     last_capacity: int | None = field(default=None, init=False)
-    _history: deque = field(init=False, repr=False)
+    skipped_steps: int = field(default=0, init=False)  # steps ``should_draft`` said no to, in all
+    _history: deque = field(init=False, repr=False)  # (sorted positive survivals (M',), drafting requests R_d)
+    _decisions: int = field(default=0, init=False, repr=False)
+    _rates: dict = field(default_factory=dict, init=False, repr=False)  # (R, drafted) -> tokens/s moving average
 
     def __post_init__(self) -> None:
         self.cost = as_step_cost(self.cost)
@@ -309,11 +321,58 @@ class AsyncTopKScheduler:
             )
         if self.default_capacity is not None and self.default_capacity < 0:
             raise ValueError(f"default_capacity must be >= 0 or None, got {self.default_capacity}")
+        if self.probe_every < 1:
+            raise ValueError(f"probe_every must be >= 1, got {self.probe_every}")
         self._history = deque(maxlen=self.lag)
+
+    #: weight of the newest step in the measured rates of ``observe_step``
+    RATE_WEIGHT: ClassVar[float] = 0.25
 
     def reset(self) -> None:
         self._history.clear()
         self.last_capacity = None
+        self._decisions = 0
+        self._rates.clear()
+
+    def should_draft(self, num_requests: int) -> bool:
+        """Whether a step of ``num_requests`` requests drafts (class doc). Always where the cost model has no
+        drafting cost or no survivals have been seen yet."""
+        if self.cost.draft.is_zero or len(self._history) < self.lag or num_requests < 1:
+            return True
+        drafted, plain = self._rates.get((num_requests, True)), self._rates.get((num_requests, False))
+        if drafted is not None and plain is not None:
+            draft = drafted >= plain
+        else:
+            draft = self._drafting_pays_on_the_model(num_requests)
+        self._decisions += 1
+        if self._decisions % self.probe_every == 0:
+            draft = not draft  # the other kind of step, now and then
+        self.skipped_steps += not draft
+        return draft
+
+    def observe_step(self, num_requests: int, drafted: bool, tokens: int, seconds: float) -> None:
+        """A finished step of ``num_requests`` requests: whether it drafted, the tokens it committed, its time.
+        Kept per request count (a rate measured at another count would mix in how the step's cost grows with it)."""
+        if seconds <= 0 or num_requests < 1:
+            return
+        key, rate = (num_requests, bool(drafted)), tokens / seconds
+        old = self._rates.get(key)
+        self._rates[key] = rate if old is None else old + self.RATE_WEIGHT * (rate - old)
+
+    def _drafting_pays_on_the_model(self, num_requests: int) -> bool:
+        """The cost model's answer: the best Theta of a drafting step, on the newest recorded survivals scaled to
+        ``num_requests`` requests, against a plain step's Theta = R * 1000 / (verify_ms(R) + host_ms(R))."""
+        pool, drafting = self._history[-1]
+        if drafting < 1:
+            return True
+        # the pool of R_d requests stands for R requests: each survival counts R / R_d times
+        w = num_requests / drafting
+        tau = num_requests + w * np.concatenate([[0.0], pool]).cumsum()  # (M' + 1,)
+        batch_tokens = num_requests + np.rint(w * np.arange(tau.size)).astype(np.int64)
+        best = self.cost.throughput_array(tau, batch_tokens, num_requests, num_requests).max()
+        plain = self.cost.throughput_array(np.asarray([float(num_requests)]), np.asarray([num_requests]),
+                                           num_requests, 0)[0]
+        return bool(best >= plain)
 
     def capacity(self, num_requests: int, num_drafting: int | None = None) -> int | None:
         """K* for a step with ``num_requests`` requests (``num_drafting`` of them drafting, default all), from
@@ -321,7 +380,7 @@ class AsyncTopKScheduler:
         """
         if len(self._history) < self.lag:
             return self.default_capacity
-        lagged = self._history[0]  # (M',) sorted positive survivals of step t - lag
+        lagged = self._history[0][0]  # (M',) sorted positive survivals of step t - lag
         drafting = num_requests if num_drafting is None else num_drafting
         theta = _theta_curve(lagged, num_requests, self.cost, drafting)
         return int(np.argmax(theta))
@@ -334,5 +393,5 @@ class AsyncTopKScheduler:
         rows, positions, sorted_a = _admission_path(survival)
         count = sorted_a.size if capacity is None else min(capacity, sorted_a.size)
         self.last_capacity = capacity
-        self._history.append(sorted_a)
+        self._history.append((sorted_a, _num_drafting(n)))
         return _as_verify_len(_lengths_from_path(rows, positions, count, survival.shape), num_candidates)

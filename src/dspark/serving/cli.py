@@ -38,7 +38,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sps-table", default=None, metavar="FILE",
                    help="what alg1/async plan on: a whole-step cost model (`dspark profile --step-cost`) or an "
                    "SGLang-format SPS table (`dspark profile --out`, the verify pass alone); without it they "
-                   "profile the target's verify pass quickly at start")
+                   "profile the whole step quickly at start (the verify pass alone for --drafter none)")
     p.add_argument("--profile-step-cost", default=None, metavar="FILE",
                    help="profile the whole step (drafting with --drafter, verify pass, host work) at start, save the "
                    "cost model to FILE and plan alg1/async on it (instead of --sps-table)")
