@@ -7,12 +7,15 @@
 #
 #   bash scripts/scale_regen_features.sh     # R=runs/scale PROCS=1 (one core: vLLM holds the other)
 #   PROCS=2 bash scripts/scale_regen_features.sh all   # every slice still to make, one after the other
+#   SLICE=R4 PROCS=2 bash scripts/scale_regen_features.sh   # one row of the committed slicing, out of order
 #
 # Resumable: an unfinished slice (interrupted features) is finished first, with the same number of processes;
 # the slices so far are listed in $R/regen-slices.tsv (name, first line, end line). Where the committed slicing
 # ($SLICING, default datasets/smollm2-135m-regenerated/slices.tsv, the same columns) names the next slice, it
 # ends where that row says, so a fresh machine rebuilds the slices the reports name; append a row there for
-# a new slice worth keeping.
+# a new slice worth keeping. SLICE=NAME makes that row of the committed slicing now, whatever is listed before it
+# (a sitting short of time: training reads the slices listed, in their order; later calls without SLICE go on after
+# the last one listed).
 set -euo pipefail
 DSPARK=${DSPARK:-.venv/bin/dspark}
 TORCHRUN=${TORCHRUN:-.venv/bin/torchrun}
@@ -24,13 +27,19 @@ SLICING=${SLICING:-datasets/smollm2-135m-regenerated/slices.tsv}
 [ -f "$SRC" ] || { echo "no $SRC: run scripts/scale_regenerate.sh first"; exit 2; }
 touch "$LIST"
 last=$(tail -n 1 "$LIST")
-if [ -n "$last" ] && [ ! -f "$R/features-$(cut -f1 <<<"$last")/manifest.json" ]; then
+if [ -n "${SLICE:-}" ]; then  # one committed row, out of order
+  row=$(awk -F'\t' -v n="$SLICE" '$1 == n' "$SLICING" 2>/dev/null)
+  [ -n "$row" ] || { echo "no slice $SLICE in $SLICING"; exit 2; }
+  read -r name start end <<<"$row"
+  [ "$end" -le "$(wc -l < "$SRC")" ] || { echo "slice $SLICE ends at line $end; $SRC has $(wc -l < "$SRC")"; exit 2; }
+  awk -F'\t' -v n="$name" '$1 == n {found = 1} END {exit !found}' "$LIST" || printf '%s\t%s\t%s\n' "$name" "$start" "$end" >> "$LIST"
+elif [ -n "$last" ] && [ ! -f "$R/features-$(cut -f1 <<<"$last")/manifest.json" ]; then
   read -r name start end <<<"$last"  # finish the slice an interruption left
 else
   start=${last:+$(cut -f3 <<<"$last")}; start=${start:-0}
   end=$(wc -l < "$SRC")  # complete lines only: a record is written as one line
   [ "$end" -gt "$start" ] || { echo "no new records in $SRC since line $start"; exit 0; }
-  name=R$(( $(wc -l < "$LIST") + 1 ))
+  name=R$(( $(awk -F'\t' '{n = substr($1, 2) + 0; if (n > m) m = n} END {print m + 0}' "$LIST") + 1 ))
   planned=""
   [ -f "$SLICING" ] && planned=$(awk -F'\t' -v n="$name" -v s="$start" '$1 == n && $2 == s {print $3}' "$SLICING")
   [ -n "$planned" ] && [ "$planned" -le "$end" ] && end=$planned
@@ -45,5 +54,5 @@ launch=($DSPARK --threads 1)
 [ "$PROCS" -gt 1 ] && launch=($TORCHRUN --nproc_per_node "$PROCS" -m dspark.cli --threads 1)
 "${launch[@]}" data features --config smollm2-dspark-markov --dtype bfloat16 --data "$R/tok-$name" \
   --out "$R/features-$name" --max-length 1024
-[ "${1:-}" = all ] && exec bash "$0" all
+[ "${1:-}" = all ] && [ -z "${SLICE:-}" ] && exec bash "$0" all
 exit 0
