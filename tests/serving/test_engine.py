@@ -222,6 +222,23 @@ def test_stats_track_batches(target, drafter):
     # tau = accepted + 1 per request-step, except a step ending on an accepted stop token (once per request)
     assert s.accepted_tokens + s.request_steps - 4 <= s.committed_tokens <= s.accepted_tokens + s.request_steps
     assert all(h.stats.num_steps >= 1 for h in handles)
+    assert 0 < s.drafted_steps <= s.steps  # the last token of a request leaves no room for drafts
+
+
+def test_async_skips_the_drafter_in_the_engine_and_counts_it(target, drafter):
+    """A cost model whose drafting costs a second a step: after its lagged survivals async runs plain steps (the
+    measured rates decide later; every 4th decision takes the other kind), the text stays plain's."""
+    from dspark.scheduler.policies import AsyncTopKScheduler
+    from dspark.scheduler.step_cost import CostCurve, StepCostModel
+
+    verify = CostCurve(tuple(range(1, 65)), tuple(10.0 + b for b in range(1, 65)))
+    policy = AsyncTopKScheduler(StepCostModel(verify, 64, draft=CostCurve((1,), (1000.0,))), lag=1, probe_every=4)
+    sampling = SamplingParams(0.0, max_new_tokens=24)
+    with Engine(target, drafter, ConfidenceAdapter(policy, fallback_confidence=0.9)) as engine:
+        texts = [engine.generate(p, sampling, timeout=30) for p in PROMPTS[:2]]
+        s = engine.stats()
+    assert texts == [_plain(target, p, sampling) for p in PROMPTS[:2]]
+    assert 0 < s.drafted_steps < s.steps and policy.skipped_steps > 0
 
 
 def test_step_times_record_every_pass_by_batch_tokens(target, drafter):

@@ -135,7 +135,7 @@ def test_models_health_metrics(client, server):
     samples = parse_prometheus(resp.text)
     for name in ("dspark_acceptance_length", "dspark_verified_tokens_total", "dspark_accepted_tokens_total",
                  "dspark_batch_size", "dspark_queue_depth", "dspark_requests_total",
-                 "dspark_prefix_cache_hit_tokens_total"):
+                 "dspark_prefix_cache_hit_tokens_total", "dspark_drafted_steps_total"):
         assert any(n == name for n, _ in samples), name
     assert metric_sum(samples, "dspark_requests_total") >= 1
     assert metric_sum(samples, "dspark_acceptance_length") >= 1.0

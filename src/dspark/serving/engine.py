@@ -530,6 +530,7 @@ class Engine:
         with self._cv:
             st = self._stats
             st.steps += 1
+            st.drafted_steps += any(o.num_proposed for o in outcomes)
             st.request_steps += len(batch)
             st.verified_tokens += verified
             st.accepted_tokens += accepted

@@ -15,6 +15,7 @@ class EngineStats:
     """Counters since start plus the current batch; ``snapshot`` copies them under the lock."""
 
     steps: int = 0  # speculative steps (one target verify pass each)
+    drafted_steps: int = 0  # steps whose drafter ran (``async`` skips it where drafting does not pay)
     request_steps: int = 0  # sum over steps of the batch size
     verified_tokens: int = 0  # draft tokens sent to verification, sum of l_r
     accepted_tokens: int = 0  # draft tokens accepted

@@ -40,6 +40,8 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 # (name, type, help, value of EngineStats); counters are named without their _total suffix
 _SCALARS = (
     ("dspark_engine_steps", "counter", "Speculative steps (target verify passes).", lambda s: s.steps),
+    ("dspark_drafted_steps", "counter", "Steps whose drafter ran (async skips it where drafting does not pay).",
+     lambda s: s.drafted_steps),
     ("dspark_request_steps", "counter", "Sum over steps of the number of requests in the batch.",
      lambda s: s.request_steps),
     ("dspark_verified_tokens", "counter", "Draft tokens sent to verification (sum of verify lengths l_r).",
