@@ -139,16 +139,22 @@ def _admission_path(survival: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.nd
     return order % R, order // R, sorted_a
 
 
-def _theta_curve(sorted_a: np.ndarray, num_requests: int, cost: StepCostModel, num_drafting: int) -> np.ndarray:
+def _theta_curve(sorted_a: np.ndarray, num_requests: int, cost: StepCostModel, num_drafting: int,
+                 weight: float = 1.0) -> np.ndarray:
     """Theta(b) after admitting the first b path entries, b = 0..M: expected tokens per second of the step.
 
     tau(b) = R + sum of the b admitted survivals, B(b) = R + b (§3.2.2), and Theta(b) = tau(b) * 1000 /
     (draft_ms(R_d) + verify_ms(B(b)) + host_ms(R)) (``dspark.scheduler.step_cost``); for a plain SPS
-    table (no draft or host cost) that is the paper's tau(b) * SPS(B(b)).
+    table (no draft or host cost) that is the paper's tau(b) * SPS(B(b)). ``weight`` w: each entry stands for w
+    (survivals of fewer requests scaled to R): tau(b) = R + w * the sum, B(b) = R + round(w * b).
     """
     # summed in admission order from R, as Algorithm 1 accumulates tau* (lines 5, 8)
-    tau = np.concatenate([[float(num_requests)], sorted_a]).cumsum()  # (M + 1,)
-    batch_tokens = num_requests + np.arange(tau.size)  # (M + 1,)
+    if weight == 1.0:
+        tau = np.concatenate([[float(num_requests)], sorted_a]).cumsum()  # (M + 1,)
+        batch_tokens = num_requests + np.arange(tau.size)  # (M + 1,)
+    else:
+        tau = num_requests + weight * np.concatenate([[0.0], sorted_a]).cumsum()  # (M + 1,)
+        batch_tokens = num_requests + np.rint(weight * np.arange(tau.size)).astype(np.int64)
     return cost.throughput_array(tau, batch_tokens, num_requests, num_drafting)
 
 
@@ -366,12 +372,8 @@ class AsyncTopKScheduler:
         if drafting < 1:
             return True
         # the pool of R_d requests stands for R requests: each survival counts R / R_d times
-        w = num_requests / drafting
-        tau = num_requests + w * np.concatenate([[0.0], pool]).cumsum()  # (M' + 1,)
-        batch_tokens = num_requests + np.rint(w * np.arange(tau.size)).astype(np.int64)
-        best = self.cost.throughput_array(tau, batch_tokens, num_requests, num_requests).max()
-        plain = self.cost.throughput_array(np.asarray([float(num_requests)]), np.asarray([num_requests]),
-                                           num_requests, 0)[0]
+        best = _theta_curve(pool, num_requests, self.cost, num_requests, num_requests / drafting).max()
+        plain = _theta_curve(pool[:0], num_requests, self.cost, 0)[0]  # no drafts, no drafting cost
         return bool(best >= plain)
 
     def capacity(self, num_requests: int, num_drafting: int | None = None) -> int | None:
