@@ -271,30 +271,100 @@ def test_the_gate_scales_the_survivals_to_the_step_s_requests() -> None:
     assert not four.should_draft(4) and four.should_draft(1)
 
 
-def test_every_probe_every_th_decision_tries_the_other_kind_of_step() -> None:
-    policy = _gate(40.0, probe_every=3)
-    decisions = [policy.should_draft(1) for _ in range(8)]
-    assert decisions == [False, False, True, False, False, True, False, False]
-    assert policy.skipped_steps == 6
+def test_every_probe_every_th_decision_starts_a_probe_of_the_other_kind_of_step() -> None:
+    # measured: plain 100 tokens/s, drafting 91 (a drafting step 1.1 plain steps): plain steps, drafting probes of
+    # probe_steps steps every probe_every decisions (int(3 * 1.1^2) = 3 decisions between them)
+    policy = _gate(40.0, probe_every=4, probe_steps=2)
+    _steps(policy, 1, False, 1, 0.010)
+    _steps(policy, 1, True, 1, 0.011, n=2)  # the first catches up: not measured
+    decisions = [policy.should_draft(1) for _ in range(12)]
+    assert decisions == [False, False, False, True, True, False, False, False, True, True, False, False]
+    assert policy.skipped_steps == 8
+    drafting = _gate(1.0, probe_every=4, probe_steps=2)  # the model says: draft; a plain probe is one step
+    assert [drafting.should_draft(1) for _ in range(8)] == [True, True, True, False, True, True, True, False]
     policy.reset()
     assert policy.should_draft(1)  # the history is gone: draft until survivals are seen again
     with pytest.raises(ValueError, match="probe_every"):
         AsyncTopKScheduler(policy.cost, probe_every=0)
+    with pytest.raises(ValueError, match="probe_steps"):
+        AsyncTopKScheduler(policy.cost, probe_every=4, probe_steps=4)
+
+
+def test_drafting_probes_come_rarer_where_a_drafting_step_costs_more() -> None:
+    # the model: a plain step 12 ms, a drafting step 40 ms more (r = 52 / 12): int(3 * r^2) = 56 plain decisions
+    # before the first drafting probe, against 3 where drafting costs about a plain step (above)
+    policy = _gate(40.0, probe_every=4, probe_steps=2)
+    decisions = [policy.should_draft(1) for _ in range(60)]
+    assert decisions.index(True) == 56 and decisions[57] and not any(decisions[58:])
+    # measured times take over from the model: drafting steps 2x a plain step -> int(3 * 4) = 12
+    _steps(policy, 1, False, 1, 0.010, n=2)
+    _steps(policy, 1, True, 1, 0.020, n=3)
+    decisions = [policy.should_draft(1) for _ in range(20)]
+    assert [i for i, d in enumerate(decisions) if d] == [10, 11]  # 12 - 2 decisions already counted since the probe
+
+
+def _steps(policy: AsyncTopKScheduler, requests: int, drafted: bool, tokens: int, seconds: float, n: int = 1) -> None:
+    for _ in range(n):
+        policy.observe_step(requests, drafted, tokens, seconds)
 
 
 def test_measured_rates_of_both_kinds_of_step_overrule_the_model() -> None:
     policy = _gate(40.0, probe_every=1000)  # the model says: plain steps
-    policy.observe_step(1, True, 3, 0.05)  # drafting measured at 60 tokens/s: one kind alone does not decide
-    assert not policy.should_draft(1)
-    policy.observe_step(1, False, 1, 0.025)  # plain at 40 tokens/s: drafting is faster here after all
+    _steps(policy, 1, True, 3, 0.05, n=2)  # drafting at 60 tokens/s (the first, catching up, is not measured) ...
+    assert not policy.should_draft(1)  # ... but one kind alone does not decide
+    _steps(policy, 1, False, 1, 0.025)  # plain at 40 tokens/s: drafting is faster here after all
     assert policy.should_draft(1)
-    for _ in range(6):  # plain steps get faster: the moving average (weight 1/4 per step) crosses 60
-        policy.observe_step(1, False, 1, 0.01)
+    _steps(policy, 1, False, 1, 0.01, n=6)  # plain steps get faster: 7 steps in 0.085 s, 82 tokens/s
     assert not policy.should_draft(1)
     # rates are kept per request count: 2 requests have none yet, so the model answers there
-    policy.observe_step(2, True, 4, 0.05)
+    _steps(policy, 2, True, 4, 0.05, n=2)  # after a plain step: the first one catches up
     assert not policy.should_draft(2)
-    policy.observe_step(2, False, 2, 0.1)  # 80 against 20 tokens/s
+    _steps(policy, 2, False, 2, 0.1)  # 80 against 20 tokens/s
     assert policy.should_draft(2) and not policy.should_draft(1)
-    policy.observe_step(2, False, 2, 0.0)  # an untimed step is ignored
+    _steps(policy, 2, False, 2, 0.0)  # an untimed step is ignored
     assert policy.should_draft(2)
+
+
+def test_a_drafting_step_after_a_plain_one_is_not_measured() -> None:
+    policy = _gate(40.0, probe_every=1000)
+    _steps(policy, 1, False, 1, 0.0125)  # plain: 80 tokens/s
+    _steps(policy, 1, True, 2, 0.5)  # catching up on the plain steps' context: slow, and left out
+    assert ((1, True) not in policy._rates)
+    _steps(policy, 1, True, 4, 0.04)  # steady drafting: 100 tokens/s
+    assert policy.should_draft(1)
+
+
+def test_measured_rates_are_tokens_over_seconds_of_a_window_not_a_mean_of_step_rates() -> None:
+    policy = _gate(40.0, probe_every=1000)
+    _steps(policy, 1, False, 1, 0.0125, n=8)  # plain: 80 tokens/s
+    _steps(policy, 1, True, 4, 0.04)  # catching up: not measured
+    # drafting steps alternate 1 and 7 tokens in 0.04 s: 4 tokens per 0.04 s, 100 tokens/s
+    for _ in range(8):
+        _steps(policy, 1, True, 1, 0.04)
+        _steps(policy, 1, True, 7, 0.04)
+    assert policy.should_draft(1)
+    # one unlucky drafting step (1 token in a slow 0.06 s) moves the window by 1/16, not a per-step rate's 1/4:
+    # (4 - 3/16) tokens over (0.04 + 0.02/16) s = 92 tokens/s, still above plain's 80 (a mean of per-step rates
+    # moved 1/4 of the way to 17 tokens/s would read 79)
+    _steps(policy, 1, True, 1, 0.06)
+    assert policy.should_draft(1)
+    _steps(policy, 1, True, 1, 0.04, n=16)  # a whole window of 1-token steps (25 tokens/s): plain wins
+    assert not policy.should_draft(1)
+
+
+def test_a_probe_measures_the_rarely_run_kind_anew() -> None:
+    policy = _gate(40.0, probe_every=8, probe_steps=3)
+    _steps(policy, 1, False, 1, 0.010, n=4)  # plain: 100 tokens/s
+    _steps(policy, 1, True, 1, 0.011, n=17)  # drafting: 91 tokens/s over a 16-step window (the first caught up)
+    _steps(policy, 1, False, 1, 0.010)
+    # a drafting step costs 1.1 plain ones: int(7 * 1.21) = 8 plain decisions, then the probe
+    decisions = [policy.should_draft(1) for _ in range(8)]
+    assert decisions == [False] * 8
+    assert policy.should_draft(1)  # the probe: 3 drafting steps; the requests' content changed, acceptance rose
+    _steps(policy, 1, True, 6, 0.011)  # catching up: not measured
+    assert policy.should_draft(1)
+    _steps(policy, 1, True, 6, 0.011)  # 545 tokens/s: the probe's first measured step replaces the stale window
+    assert policy.should_draft(1)  # the probe's last step
+    _steps(policy, 1, True, 6, 0.011)
+    assert policy.should_draft(1)  # no probe left: the fresh measurement says draft
+    assert policy._rates[(1, True)][0] == 2  # the window holds the probe's two measured steps only

@@ -302,8 +302,14 @@ class AsyncTopKScheduler:
     (docs/serving/step-cost.md §Skipping the drafter): where the cost model prices drafting (``draft_ms``), a step
     skips the drafter and verifies its anchors only (``speculative_step``) when a plain step is expected to make
     more tokens per second. The expectation is the cost model's, on the newest survivals, until ``observe_step``
-    has timed both kinds of step at this request count; from then on it is their measured rates (moving averages
-    of tokens per second). Every ``probe_every``-th decision tries the other kind, to renew what it decides on.
+    has timed both kinds of step at this request count; from then on it is their measured rates (each kind's
+    average tokens per step over its average seconds per step: the mean over its first ``RATE_WINDOW`` steps, then a
+    moving average of that window). Every ``probe_every``-th decision starts a probe of the other kind: one plain
+    step (a plain step's rate barely moves), or ``probe_steps`` drafting steps whose mean replaces drafting's rate
+    (drafting probes come r^2 times rarer where a drafting step costs r plain ones: ``_probe_interval``)
+    (it ran rarely, so its old window is stale: the content of the requests moves acceptance). A drafting step right
+    after a plain one is not measured: its drafter first catches up on the context the plain steps left, a cost
+    steady drafting spreads over its steps.
     It reads past steps and R only, never this step's drafts, so it is lossless like the capacity.
     """
 
@@ -311,12 +317,17 @@ class AsyncTopKScheduler:
     lag: int = 2
     default_capacity: int | None = None
     probe_every: int = 32
+    probe_steps: int = 3
     requires_confidences: ClassVar[bool] = True
     last_capacity: int | None = field(default=None, init=False)
     skipped_steps: int = field(default=0, init=False)  # steps ``should_draft`` said no to, in all
     _history: deque = field(init=False, repr=False)  # (sorted positive survivals (M',), drafting requests R_d)
-    _decisions: int = field(default=0, init=False, repr=False)
-    _rates: dict = field(default_factory=dict, init=False, repr=False)  # (R, drafted) -> tokens/s moving average
+    _since_probe: int = field(default=0, init=False, repr=False)  # decisions since the last probe started
+    _rates: dict = field(default_factory=dict, init=False, repr=False)  # (R, drafted) -> [steps, tokens, seconds]
+    _probe_left: int = field(default=0, init=False, repr=False)  # steps of the running probe still to come
+    _probe_kind: bool = field(default=False, init=False, repr=False)  # whether the running probe drafts
+    _fresh: tuple | None = field(default=None, init=False, repr=False)  # (R, drafted) the probe measures anew
+    _last_drafted: bool = field(default=False, init=False, repr=False)  # whether the last observed step drafted
 
     def __post_init__(self) -> None:
         self.cost = as_step_cost(self.cost)
@@ -329,16 +340,19 @@ class AsyncTopKScheduler:
             raise ValueError(f"default_capacity must be >= 0 or None, got {self.default_capacity}")
         if self.probe_every < 1:
             raise ValueError(f"probe_every must be >= 1, got {self.probe_every}")
+        if not 1 <= self.probe_steps < max(self.probe_every, 2):
+            raise ValueError(f"probe_steps must be >= 1 and below probe_every ({self.probe_every}), "
+                             f"got {self.probe_steps}")
         self._history = deque(maxlen=self.lag)
 
-    #: weight of the newest step in the measured rates of ``observe_step``
-    RATE_WEIGHT: ClassVar[float] = 0.25
+    RATE_WINDOW: ClassVar[int] = 16  # steps of one kind the measured rate averages over
 
     def reset(self) -> None:
         self._history.clear()
         self.last_capacity = None
-        self._decisions = 0
+        self._since_probe = 0
         self._rates.clear()
+        self._probe_left, self._fresh, self._last_drafted = 0, None, False
 
     def should_draft(self, num_requests: int) -> bool:
         """Whether a step of ``num_requests`` requests drafts (class doc). Always where the cost model has no
@@ -347,23 +361,59 @@ class AsyncTopKScheduler:
             return True
         drafted, plain = self._rates.get((num_requests, True)), self._rates.get((num_requests, False))
         if drafted is not None and plain is not None:
-            draft = drafted >= plain
+            draft = drafted[1] / drafted[2] >= plain[1] / plain[2]
         else:
             draft = self._drafting_pays_on_the_model(num_requests)
-        self._decisions += 1
-        if self._decisions % self.probe_every == 0:
-            draft = not draft  # the other kind of step, now and then
+        if self._probe_left > 0:  # a probe goes on with the kind it started with
+            self._probe_left -= 1
+            draft = self._probe_kind
+        elif self._since_probe >= self._probe_interval(num_requests, probe_drafts=not draft):
+            draft = self._probe_kind = not draft  # a probe starts: the other kind of step
+            self._since_probe = 0
+            if draft:  # drafting probes run probe_steps steps and measure drafting anew
+                self._probe_left, self._fresh = self.probe_steps - 1, (num_requests, True)
+        else:
+            self._since_probe += 1
         self.skipped_steps += not draft
         return draft
 
     def observe_step(self, num_requests: int, drafted: bool, tokens: int, seconds: float) -> None:
         """A finished step of ``num_requests`` requests: whether it drafted, the tokens it committed, its time.
-        Kept per request count (a rate measured at another count would mix in how the step's cost grows with it)."""
+        Kept per request count (a rate measured at another count would mix in how the step's cost grows with it).
+        Tokens and seconds are averaged apart and divided only when compared: a drafting step commits 1 to 1 + K
+        tokens per request, so the mean of per-step rates would swing with each step's luck (and the rarely run kind,
+        renewed by a probe every ``probe_every`` steps, would keep a lucky or unlucky value for long)."""
         if seconds <= 0 or num_requests < 1:
             return
-        key, rate = (num_requests, bool(drafted)), tokens / seconds
-        old = self._rates.get(key)
-        self._rates[key] = rate if old is None else old + self.RATE_WEIGHT * (rate - old)
+        catching_up, self._last_drafted = drafted and not self._last_drafted, bool(drafted)
+        if catching_up:
+            return  # the drafter caught up on the context of the plain steps before: not a steady drafting step
+        key = (num_requests, bool(drafted))
+        if key == self._fresh:  # a probe's first measured step: that kind's old window is stale
+            self._rates.pop(key, None)
+            self._fresh = None
+        entry = self._rates.setdefault(key, [0, 0.0, 0.0])
+        entry[0] += 1
+        weight = 1.0 / min(entry[0], self.RATE_WINDOW)  # the plain mean at first, then a moving average
+        entry[1] += weight * (tokens - entry[1])
+        entry[2] += weight * (seconds - entry[2])
+
+    def _probe_interval(self, num_requests: int, probe_drafts: bool) -> int:
+        """Decisions between probes: ``probe_every`` - 1 for a plain probe; for a drafting probe that times
+        (r = a drafting step's time over a plain step's at this R, measured, else the cost model's drafting
+        overhead), so that the probes' share of the time, probe_steps * r / (probe_every * r^2), falls as drafting
+        grows dearer (at 32 requests a drafting step costs several plain ones, and a level of a few dozen steps
+        would otherwise spend a third of its time probing)."""
+        interval = self.probe_every - 1
+        if not probe_drafts:
+            return interval
+        drafted, plain = self._rates.get((num_requests, True)), self._rates.get((num_requests, False))
+        if drafted is not None and plain is not None:
+            ratio = drafted[2] / plain[2]
+        else:
+            ratio = self.cost.step_ms(num_requests, num_requests, num_requests) / self.cost.step_ms(
+                num_requests, num_requests, 0)
+        return int(interval * max(1.0, ratio) ** 2)
 
     def _drafting_pays_on_the_model(self, num_requests: int) -> bool:
         """The cost model's answer: the best Theta of a drafting step, on the newest recorded survivals scaled to
