@@ -21,6 +21,7 @@ from pathlib import Path
 
 from dspark.evaluation.report import comparison_table, confidence_rows, tau_table
 from dspark.tables import fmt, markdown_table
+from dspark.training.trainer import recent_mean
 
 
 def _results(folder: Path) -> dict | None:
@@ -57,9 +58,10 @@ def _training(train: list[str]) -> list[str]:
         s = json.loads(path.read_text())
         rows.append([name, f"`{folder}`", str(s["steps"]), f"{s['tokens_seen'] / 1e6:.2f} M", str(s.get("world_size", 1)),
                      fmt(s["tokens_per_s"], 0), fmt(s.get("train_seconds_total"), 0),
-                     fmt((s.get("final_metrics") or {}).get("tau"))])
+                     fmt(recent_mean(folder, "tau")), fmt(recent_mean(folder, "acc@0"))])
     return markdown_table(["drafter", "run", "steps", "tokens seen", "processes", "train tok/s", "seconds",
-                           "trainer's tau estimate"], rows) if rows else []
+                           "trainer's tau estimate (last 100 logged steps)", "its first-position accuracy"],
+                          rows) if rows else []
 
 
 def _calibration(calib: Path | None, sts_eval: Path | None, figures: Path, out: Path) -> list[str]:

@@ -27,7 +27,8 @@
 #                                                # on every slice so far (dspark-regen-warm-R4 after slice R4;
 #                                                # CONT_EPOCHS=1 pass, CONT_LR=3e-4, fresh optimizer and schedule,
 #                                                # its own draft vocabulary): a fresh machine's shortest way to use
-#                                                # new answers, since the shipped weights are in git
+#                                                # new answers, since the shipped weights are in git; NAME=... names
+#                                                # the run instead (a second warm start from INIT=runs/.../step_latest)
 #   bash scripts/scale_train.sh regen-next       # the continued runs (*-regen-cont) one pass further on the newest
 #                                                # slice only (*-regen-cont-R3 for slice R3; CONT_LR, KINDS as above)
 set -euo pipefail
@@ -113,7 +114,7 @@ for p in "${points[@]}"; do
     init=${INIT:-checkpoints/smollm2-135m-dspark}
     [ -f "$init/config.json" ] || { echo "no drafter at $init (INIT=...)"; exit 2; }
     slice=$(tail -n 1 "$R/regen-slices.tsv" | cut -f1)
-    EPOCHS=${CONT_EPOCHS:-1} train "dspark-regen-warm-$slice" smollm2-dspark-markov "$(caches_for regen)" all \
+    EPOCHS=${CONT_EPOCHS:-1} train "${NAME:-dspark-regen-warm-$slice}" smollm2-dspark-markov "$(caches_for regen)" all \
       --set model.draft_layer=qwen3 --set "data=[]" --set "lr=${CONT_LR:-0.0003}" --set "init_from=$init"
     continue
   fi

@@ -36,11 +36,12 @@ def parameter_counts(run: Path) -> tuple[int, int] | None:
 
 
 def _row(run: Path, name: str) -> list[str]:
+    from dspark.training.trainer import recent_mean
     s = json.loads((run / "train_summary.json").read_text())
     cfg_path = run / "step_latest" / "train_config.json"
     cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
     params = parameter_counts(run)
-    tau = s.get("final_metrics", {}).get("tau")
+    tau = recent_mean(run, "tau")
     budget = cfg.get("time_budget_s")
     budget = f"{budget:g} s" if budget else f"{cfg.get('max_steps') or '?'} steps"
     return [name, cfg.get("drafter", "?"), cfg.get("dtype", "float32"), budget, str(s["steps"]),
@@ -63,6 +64,6 @@ def training_runs_markdown(folders: Sequence[str | Path], command: str) -> str:
         "",
         *markdown_table(["run", "drafter", "dtype", "budget", "optimizer steps", "sequences/step", "sequences seen",
                          "tokens seen", "train seconds", "tokens/s", "trainable / total params",
-                         "train-time tau estimate"], rows),
+                         "train-time tau estimate (last 100 logged steps)"], rows),
     ]
     return "\n".join(lines) + "\n"

@@ -240,6 +240,24 @@ def _logged_step(line: str) -> float:
         return math.inf
 
 
+def recent_mean(run: Path | str, key: str, lines: int = 100) -> float | None:
+    """The mean of ``key`` over the last ``lines`` logged steps of ``run/metrics.jsonl`` (None without any): the
+    trainer's estimate over its last few hundred batches, not one batch of 4 sequences like ``final_metrics``."""
+    path = Path(run) / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    values = []
+    for line in path.read_text().splitlines():
+        try:
+            value = json.loads(line).get(key)
+        except (ValueError, AttributeError):  # a half-written last line, or not an object
+            continue
+        if isinstance(value, (int, float)):
+            values.append(float(value))
+    tail = values[-lines:]
+    return sum(tail) / len(tail) if tail else None
+
+
 class _Logger:
     """Rank 0 only: tqdm bar, TensorBoard, metrics.jsonl."""
 
