@@ -305,11 +305,11 @@ class AsyncTopKScheduler:
     has timed both kinds of step at this request count; from then on it is their measured rates (each kind's
     average tokens per step over its average seconds per step: the mean over its first ``RATE_WINDOW`` steps, then a
     moving average of that window). Every ``probe_every``-th decision starts a probe of the other kind: one plain
-    step (a plain step's rate barely moves), or ``probe_steps`` drafting steps whose mean replaces drafting's rate
-    (drafting probes come r^2 times rarer where a drafting step costs r plain ones: ``_probe_interval``)
-    (it ran rarely, so its old window is stale: the content of the requests moves acceptance). A drafting step right
-    after a plain one is not measured: its drafter first catches up on the context the plain steps left, a cost
-    steady drafting spreads over its steps.
+    step (a plain step's rate barely moves), or ``probe_steps`` drafting steps whose mean replaces drafting's rate,
+    since drafting ran rarely and the content of the requests moves acceptance. Drafting probes come r^2 times rarer
+    where a drafting step costs r plain ones (``_probe_interval``). A drafting step right after a plain one is not
+    measured: its drafter first catches up on the context the plain steps left, a cost steady drafting spreads over
+    its steps.
     It reads past steps and R only, never this step's drafts, so it is lossless like the capacity.
     """
 
@@ -399,11 +399,11 @@ class AsyncTopKScheduler:
         entry[2] += weight * (seconds - entry[2])
 
     def _probe_interval(self, num_requests: int, probe_drafts: bool) -> int:
-        """Decisions between probes: ``probe_every`` - 1 for a plain probe; for a drafting probe that times
-        (r = a drafting step's time over a plain step's at this R, measured, else the cost model's drafting
+        """Decisions between probes: ``probe_every`` - 1 before a plain probe; before a drafting probe that times
+        r^2, r = a drafting step's time over a plain step's at this R (measured, else the cost model's drafting
         overhead), so that the probes' share of the time, probe_steps * r / (probe_every * r^2), falls as drafting
-        grows dearer (at 32 requests a drafting step costs several plain ones, and a level of a few dozen steps
-        would otherwise spend a third of its time probing)."""
+        grows dearer (at 32 requests a drafting step costs several plain ones, and a load level of a few dozen
+        steps lost about a third of its rate to probes without it)."""
         interval = self.probe_every - 1
         if not probe_drafts:
             return interval
