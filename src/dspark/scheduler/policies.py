@@ -402,8 +402,7 @@ class AsyncTopKScheduler:
         """Decisions between probes: ``probe_every`` - 1 before a plain probe; before a drafting probe that times
         r^2, r = a drafting step's time over a plain step's at this R (measured, else the cost model's drafting
         overhead), so that the probes' share of the time, probe_steps * r / (probe_every * r^2), falls as drafting
-        grows dearer (at 32 requests a drafting step costs several plain ones, and a load level of a few dozen
-        steps lost about a third of its rate to probes without it)."""
+        grows dearer (at 32 requests a drafting step costs several plain ones)."""
         interval = self.probe_every - 1
         if not probe_drafts:
             return interval
