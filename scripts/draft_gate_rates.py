@@ -26,6 +26,19 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args()
 
+    from dspark.data.eval_sets import BENCHMARKS
+    from dspark.errors import DSparkError
+
+    unknown = [name for name in args.sets.split(",") if name not in BENCHMARKS]
+    if unknown:  # before the target loads
+        p.error(f"unknown set(s) {', '.join(unknown)}; choose from {', '.join(BENCHMARKS)}")
+    try:
+        run(args)
+    except DSparkError as e:  # a bad --drafter folder, a checkpoint of another target: one line, no traceback
+        raise SystemExit(f"draft_gate_rates.py: {e}")
+
+
+def run(args: argparse.Namespace) -> None:
     import torch
 
     from dspark.cli_options import drafting_options
@@ -53,11 +66,8 @@ def main() -> None:
         for i, sample in enumerate(load_eval_dataset(name, limit=args.per_set).samples):
             with torch.inference_mode():
                 res = gen.generate([target.encode_chat(sample.prompt)], sp)[0]
-            cells = []
-            for drafted in (True, False):
-                entry = gate._rates.get((1, drafted))
-                cells.append("-" if entry is None else
-                             f"{entry[0]}, {entry[1]:.2f}, {entry[2] * 1000:.1f}, {entry[1] / entry[2]:.1f}")
+            cells = ["-" if m is None else f"{m[0]}, {m[1]:.2f}, {m[2] * 1000:.1f}, {m[1] / m[2]:.1f}"
+                     for m in gate.measured(1)]
             print(f"| {name} #{i} | {res.stats.acceptance_length:.2f} | {gate.skipped_steps} | {cells[0]} | "
                   f"{cells[1]} |", flush=True)
 

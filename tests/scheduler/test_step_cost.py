@@ -329,7 +329,7 @@ def test_a_drafting_step_after_a_plain_one_is_not_measured() -> None:
     policy = _gate(40.0, probe_every=1000)
     _steps(policy, 1, False, 1, 0.0125)  # plain: 80 tokens/s
     _steps(policy, 1, True, 2, 0.5)  # catching up on the plain steps' context: slow, and left out
-    assert ((1, True) not in policy._rates)
+    assert policy.measured(1) == (None, (1, 1.0, 0.0125))
     _steps(policy, 1, True, 4, 0.04)  # steady drafting: 100 tokens/s
     assert policy.should_draft(1)
 
@@ -367,4 +367,4 @@ def test_a_probe_measures_the_rarely_run_kind_anew() -> None:
     assert policy.should_draft(1)  # the probe's last step
     _steps(policy, 1, True, 6, 0.011)
     assert policy.should_draft(1)  # no probe left: the fresh measurement says draft
-    assert policy._rates[(1, True)][0] == 2  # the window holds the probe's two measured steps only
+    assert policy.measured(1)[0][0] == 2  # the window holds the probe's two measured steps only

@@ -359,7 +359,7 @@ class AsyncTopKScheduler:
         drafting cost or no survivals have been seen yet."""
         if self.cost.draft.is_zero or len(self._history) < self.lag or num_requests < 1:
             return True
-        drafted, plain = self._rates.get((num_requests, True)), self._rates.get((num_requests, False))
+        drafted, plain = self.measured(num_requests)
         if drafted is not None and plain is not None:
             draft = drafted[1] / drafted[2] >= plain[1] / plain[2]
         else:
@@ -398,6 +398,12 @@ class AsyncTopKScheduler:
         entry[1] += weight * (tokens - entry[1])
         entry[2] += weight * (seconds - entry[2])
 
+    def measured(self, num_requests: int) -> tuple[tuple[int, float, float] | None, tuple[int, float, float] | None]:
+        """What ``observe_step`` measured at ``num_requests`` requests, for drafting and for plain steps: (steps,
+        tokens per step, seconds per step) each, None where that kind has not been measured there."""
+        return tuple(None if (e := self._rates.get((num_requests, kind))) is None else (e[0], e[1], e[2])
+                     for kind in (True, False))
+
     def _probe_interval(self, num_requests: int, probe_drafts: bool) -> int:
         """Decisions between probes: ``probe_every`` - 1 before a plain probe; before a drafting probe that times
         r^2, r = a drafting step's time over a plain step's at this R (measured, else the cost model's drafting
@@ -406,7 +412,7 @@ class AsyncTopKScheduler:
         interval = self.probe_every - 1
         if not probe_drafts:
             return interval
-        drafted, plain = self._rates.get((num_requests, True)), self._rates.get((num_requests, False))
+        drafted, plain = self.measured(num_requests)
         if drafted is not None and plain is not None:
             ratio = drafted[2] / plain[2]
         else:
