@@ -2,12 +2,15 @@
 
     PYTHONPATH=src python scripts/propose_time.py                       # 1, 8 and 32 requests, settings mixed
     PYTHONPATH=/tmp/old/src python scripts/propose_time.py --greedy     # another commit's src (git archive)
+    PYTHONPATH=src python scripts/propose_time.py --catch-up 16         # after 16 steps that skipped the drafter
 
 SmolLM2-135M in bf16 (fused, prepacked) with checkpoints/smollm2-135m-dspark (head over its top 64 tokens, as the
 demo runs it), one thread; each request has a 200-token context of the first turn of an evaluation prompt and its
 own settings, mixed greedy / temperature 1 / temperature 0.7 with top-k 50 / temperature 1 with top-p 0.9 and a
 seeded generator (``--greedy``: all greedy). Prints the median milliseconds of 20 proposals after 3 warm-up ones per
-R, and a checksum of the proposed tokens (equal checksums: the same drafts).
+R, and a checksum of the proposed tokens (equal checksums: the same drafts). ``--catch-up N``: before each proposal
+every request's drafter state forgets its last N context rows, so the proposal first projects them again, as after N
+steps that skipped the drafter (the asynchronous scheduler's plain steps).
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ def main() -> None:
     p.add_argument("--drafts", type=int, default=7)
     p.add_argument("--greedy", action="store_true", help="every request greedy")
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--catch-up", type=int, default=0, metavar="N",
+                   help="context rows each request catches up on before each proposal (default: %(default)s)")
     args = p.parse_args()
     torch.set_num_threads(1)
 
@@ -54,12 +59,15 @@ def main() -> None:
         times, checksum = [], 0
         with torch.inference_mode():
             for i in range(3 + args.repeats):
+                if i and args.catch_up:  # the drafter's state forgets the last N rows: the proposal projects them
+                    for req in reqs:
+                        req.draft_state.truncate(req.draft_state.length - args.catch_up)
                 t0 = time.perf_counter()
                 block = drafter.propose(reqs, [args.drafts] * R)
                 if i >= 3:
                     times.append((time.perf_counter() - t0) * 1000)
                 checksum += int((block.tokens * torch.arange(1, block.tokens.numel() + 1).view_as(block.tokens)).sum())
-        print(f"R={R:3d} K={args.drafts}: {statistics.median(times):7.2f} ms per propose (median of {args.repeats}), "
+        print(f"R={R:3d} K={args.drafts} catch-up {args.catch_up}: {statistics.median(times):7.2f} ms per propose (median of {args.repeats}), "
               f"tokens checksum {checksum}", flush=True)
 
 

@@ -85,8 +85,10 @@ def main() -> int:
                 continue
             n_tokens += n
             tokens_equal += int((a.tokens[r, :n] == b.tokens[r, :n]).sum())
-            max_prob_diff = max(max_prob_diff, float((a.draft_probs[r, :n] - b.draft_probs[r, :n]).abs().max()))
-            max_outside = max(max_outside, float(b.draft_probs[r, :n][:, outside].sum(-1).max()))
+            V = outside.shape[0]  # our drafter reports over its draft vocabulary: both over V here
+            pa, pb = a.probs_over_vocabulary([r], n, V)[0], b.probs_over_vocabulary([r], n, V)[0]  # (n, V)
+            max_prob_diff = max(max_prob_diff, float((pa - pb).abs().max()))
+            max_outside = max(max_outside, float(pb[:, outside].sum(-1).max()))
             if a.confidence_logits is not None:
                 d = (a.confidence_logits[r, :n] - b.confidence_logits[r, :n]).abs().max()
                 max_conf_diff = max(max_conf_diff, float(d))

@@ -35,15 +35,19 @@ def test_drafts_stay_inside_the_vocab_and_decoding_stays_lossless(tiny, make):
     full = DSparkDrafter(model).propose([req], [G])
     for top_m in (None, 5):
         block = DSparkDrafter(model, head_top_m=top_m, draft_vocab=vocab).propose([req], [G])
-        odd = block.draft_probs[0, :, 1::2]
+        assert block.draft_probs.shape == (1, G, len(vocab)) and block.vocab.tolist() == vocab  # over W tokens
+        probs = block.probs_over_vocabulary([0], G, 96)[0]  # (G, V)
+        odd = probs[:, 1::2]
         assert torch.equal(odd, torch.zeros_like(odd)) and (block.tokens % 2 == 0).all()
-        torch.testing.assert_close(block.draft_probs[0].sum(-1), torch.ones(G))
+        torch.testing.assert_close(probs.sum(-1), torch.ones(G))
+        assert torch.equal(probs[:, ::2], block.draft_probs[0])
     if make is tiny_dflash:  # no head: slot distributions are the full ones renormalised on the vocab
         even = full.draft_probs[0, :, ::2]
-        got = DSparkDrafter(model, draft_vocab=vocab).propose([req], [G]).draft_probs[0, :, ::2]
+        got = DSparkDrafter(model, draft_vocab=vocab).propose([req], [G]).draft_probs[0]
         torch.testing.assert_close(got, even / even.sum(-1, keepdim=True))
     everything = DSparkDrafter(model, draft_vocab=list(range(96))).propose([req], [G])
-    torch.testing.assert_close(everything.draft_probs, full.draft_probs)
+    torch.testing.assert_close(everything.probs_over_vocabulary([0], G, 96), full.draft_probs)
+    assert full.vocab is None and torch.equal(full.probs_over_vocabulary([0], 2, 96), full.draft_probs[:, :2])
 
     prompts = [random_tokens(6, seed=13), random_tokens(11, seed=14)]
     sp = SamplingParams(temperature=0.0, max_new_tokens=24)

@@ -135,8 +135,9 @@ def test_decoding_needs_no_side_file_and_stays_lossless(tiny, tmp_path, make):
     block = drafter.propose([_request(tiny, prompt)], [4])
     outside = [t for t in range(96) if t not in VOCAB]
     assert set(block.tokens.flatten().tolist()) <= set(VOCAB)
-    assert float(block.draft_probs[..., outside].abs().max()) == 0.0  # the distribution sampled from, in V
-    torch.testing.assert_close(block.draft_probs.sum(-1), torch.ones(1, 4))
+    probs = block.probs_over_vocabulary([0], 4, 96)  # (1, 4, V)
+    assert float(probs[..., outside].abs().max()) == 0.0  # the distribution sampled from, in V
+    torch.testing.assert_close(probs.sum(-1), torch.ones(1, 4))
 
 
 def _request(target, prompt):

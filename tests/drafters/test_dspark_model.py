@@ -217,6 +217,37 @@ def test_propose_incremental_context_equals_fresh(tiny):
     assert torch.allclose(cached.draft_probs, fresh.draft_probs, atol=1e-6)
 
 
+@torch.inference_mode()  # as propose runs it
+def test_requests_catching_up_together_equal_each_alone(tiny):
+    """After steps that skipped the drafter, requests catch up on different numbers of new context rows (one none,
+    one its whole prompt) in one projection: each request's keys and values are those it gets caught up alone."""
+    model = tiny_dspark(tiny)
+    prompts = [random_tokens(n, seed=30 + n) for n in (9, 14, 6)]
+    seen = [4, 14, 0]  # context rows each request's drafter state already holds; 0 = never drafted
+
+    def requests(drafter):
+        reqs = []
+        for tokens, k in zip(prompts, seen):
+            if k:  # the drafter saw the first k - 1 context rows at an earlier step
+                early = request_after(tiny, tokens[:k], LAYER_IDS, SamplingParams(temperature=0.0))
+                drafter._context_cache(early)
+                req = request_after(tiny, tokens, LAYER_IDS, SamplingParams(temperature=0.0))
+                req.draft_state = early.draft_state
+            else:
+                req = request_after(tiny, tokens, LAYER_IDS, SamplingParams(temperature=0.0))
+            reqs.append(req)
+        return reqs
+
+    together_drafter, alone_drafter = DSparkDrafter(model), DSparkDrafter(model)
+    together = together_drafter._context_caches(requests(together_drafter))
+    alone = [alone_drafter._context_cache(req) for req in requests(alone_drafter)]
+    for a, b, tokens in zip(together, alone, prompts):
+        n = len(tokens) - 1
+        assert a.length == b.length == n
+        torch.testing.assert_close(a.keys[:, :, :n], b.keys[:, :, :n])  # matmuls of other shapes: ulps
+        torch.testing.assert_close(a.values[:, :, :n], b.values[:, :, :n])
+
+
 def test_propose_shapes_per_request_limits_and_processing(tiny):
     drafter = DSparkDrafter(tiny_dspark(tiny), block_size=3)
     reqs = [
@@ -289,15 +320,16 @@ def test_batched_propose_is_each_request_drafted_alone_the_slow_way(tiny, option
     block = DSparkDrafter(model, **options).propose(requests(), limits)
     slow_drafter, reqs = DSparkDrafter(model, **options), requests()
     assert block.num_tokens.tolist() == limits
+    full = block.probs_over_vocabulary(list(range(len(reqs))), block.max_tokens, tiny.vocab_size)  # (R, K, V)
     for r, req in enumerate(reqs):  # requests with their own generators: alone is the same stream
         if settings[r].seed is None or limits[r] == 0:
             continue
         tokens, probs = _propose_slowly(slow_drafter, req, limits[r])
         assert block.tokens[r, :limits[r]].tolist() == tokens
-        torch.testing.assert_close(block.draft_probs[r, :limits[r]], probs)  # matmuls of other shapes: ulps
-    assert torch.equal(block.draft_probs[3], torch.zeros_like(block.draft_probs[3]))  # drafted nothing
+        torch.testing.assert_close(full[r, :limits[r]], probs)  # matmuls of other shapes: ulps
+    assert torch.equal(full[3], torch.zeros_like(full[3]))  # drafted nothing
     greedy_tokens, greedy_probs = _propose_slowly(slow_drafter, reqs[0], limits[0])
-    assert block.tokens[0].tolist() == greedy_tokens and torch.equal(block.draft_probs[0], greedy_probs)  # one-hot
+    assert block.tokens[0].tolist() == greedy_tokens and torch.equal(full[0], greedy_probs)  # one-hot
 
 
 # --------------------------------------------------------------------------- loss by hand

@@ -203,7 +203,7 @@ def test_confidence_policy_adapter():
     assert policy.verify_len(block).tolist() == [1, 2]  # cut at the first sigmoid < 0.5, padding ignored
     flat = ConfidenceAdapter(StaticThreshold(0.85), sts_temperatures=[4.0, 4.0, 4.0])  # sigmoid(0.5) = 0.62 < 0.85
     assert flat.verify_len(block).tolist() == [0, 0]
-    no_conf = DraftBlock(block.tokens, block.num_tokens, block.draft_probs)
+    no_conf = DraftBlock(block.tokens, block.num_tokens, block.draft_probs, vocab=block.vocab)
     assert policy.verify_len(no_conf).tolist() == [3, 2]  # no confidence head: verify everything
     with pytest.raises(DSparkError, match="confidence head"):
         ConfidenceAdapter(StaticThreshold(0.5), fallback_confidence=None).verify_len(no_conf)

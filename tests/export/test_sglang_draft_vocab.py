@@ -127,7 +127,9 @@ def test_our_loader_reads_the_export_back_and_proposes_the_same(qwen3, tmp_path,
     a = DSparkDrafter(model).propose([request_after(qwen3, tokens, LAYER_IDS, sampling)], [4])
     b = DSparkDrafter(back).propose([request_after(qwen3, tokens, LAYER_IDS, sampling)], [4])
     assert torch.equal(a.tokens, b.tokens)
-    assert torch.equal(a.draft_probs, b.draft_probs)  # greedy: one-hot on the same token, 0 elsewhere
+    V = qwen3.vocab_size
+    assert b.vocab is None and a.vocab is not None  # ours reports over its W tokens, the export over V
+    assert torch.equal(a.probs_over_vocabulary([0], 4, V), b.draft_probs)  # greedy: one-hot on the same token
     assert torch.allclose(a.confidence_logits, b.confidence_logits, atol=1e-4)
     # temperature 1: the first slot's distribution (later slots depend on the sampled draft, and one uniform
     # through the inverse CDF picks different tokens over W in draft order and over V in token-id order)
@@ -137,7 +139,7 @@ def test_our_loader_reads_the_export_back_and_proposes_the_same(qwen3, tmp_path,
     outside = torch.ones(qwen3.vocab_size, dtype=torch.bool)
     outside[model.draft_vocab] = False
     assert torch.all(b.draft_probs[..., outside] == 0) and b.draft_probs[..., ~outside].sum() > 0.999
-    assert torch.allclose(a.draft_probs, b.draft_probs, atol=1e-5)
+    assert torch.allclose(a.probs_over_vocabulary([0], 1, V), b.draft_probs, atol=1e-5)
 
 
 def test_dflash_with_a_draft_vocabulary_goes_to_sglang_as_a_rank_2_masking_head(qwen3, tmp_path):
@@ -155,7 +157,8 @@ def test_dflash_with_a_draft_vocabulary_goes_to_sglang_as_a_rank_2_masking_head(
     a = DSparkDrafter(model).propose([request_after(qwen3, tokens, LAYER_IDS, t)], [4])
     b = DSparkDrafter(back).propose([request_after(qwen3, tokens, LAYER_IDS, t)], [4])
     # ids ascend, so one uniform through the inverse CDF picks the same token over W and over V: the same drafts
-    assert torch.equal(a.tokens, b.tokens) and torch.allclose(a.draft_probs, b.draft_probs, atol=1e-5)
+    assert torch.equal(a.tokens, b.tokens)
+    assert torch.allclose(a.probs_over_vocabulary([0], 4, qwen3.vocab_size), b.draft_probs, atol=1e-5)
 
 
 def test_smollm2_sized_draft_vocabulary_export_is_what_sglang_reads(tmp_path):

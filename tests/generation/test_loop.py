@@ -202,6 +202,31 @@ def test_mixed_settings_in_one_batch_give_each_request_its_text_alone():
     assert swapped[0] != together[0]  # negative control: the settings and seeds do reach each request
 
 
+def test_a_fixed_length_policy_proposes_no_more_drafts_than_it_verifies():
+    """fixed:N never verifies more than N drafts a request, so the step asks the drafter for at most N (fixed:1
+    drafts one token, as MTP-1); without a bound the drafter is asked for its whole block. Greedy text: plain's."""
+    from dspark.scheduler.policies import FixedLength
+
+    target = tiny_target(seed=2)
+    sp = SamplingParams(temperature=0.0, max_new_tokens=30)
+    inner = DraftModelDrafter(target.model, target.vocab_size, 4)
+    asked: list[int] = []
+
+    class Recording:  # the drafter, noting what each step asks of it
+        def __getattr__(self, name):
+            return getattr(inner, name)
+
+        def propose(self, requests, max_tokens):
+            asked.extend(max_tokens)
+            return inner.propose(requests, max_tokens)
+
+    for policy, most in ((FixedLength(2), 2), (FixedLength(1), 1), (None, 4)):
+        asked.clear()
+        out = SpeculativeGenerator(target, Recording(), policy=policy).generate(PROMPTS, sp)
+        assert [r.output_ids for r in out] == plain(target, PROMPTS, sp)
+        assert max(asked) == most, (policy, sorted(set(asked)))
+
+
 def test_async_skips_the_drafter_where_its_cost_model_says_plain_steps_are_faster():
     """The asynchronous scheduler's draft gate on a cost model whose drafting costs 1 s a step: after its lagged
     survivals it decodes plain steps, then whichever kind of step it measured faster, trying the other every

@@ -230,3 +230,28 @@ def test_steps_that_skip_the_drafter_keep_the_target_law():
     assert fit.passes, fit
     assert True in policy.gates and False in policy.gates
     assert int(torch.cat(policy.lengths).sum()) > 0  # the drafting steps did verify drafts
+
+
+# ------------------------------------------------------------------ draft vocabulary
+DRAFT_VOCAB = [0, 2, 3, 5]  # the drafter samples among 4 of the 6 tokens; its draft_probs are over these
+
+
+@pytest.mark.parametrize("lossy", [False, True], ids=["lossless", "probs-scattered-to-the-wrong-tokens"])
+def test_a_draft_vocabulary_keeps_the_target_law(lossy, monkeypatch):
+    """A drafter with a draft vocabulary reports its distributions over the W tokens (``DraftBlock.vocab``);
+    verification scatters them into V for the sampled requests. Negative control: scattered one token off."""
+    from dspark.drafters.base import DraftBlock
+
+    target = _target()
+    drafter = DSparkDrafter(_drafter(target).model, draft_vocab=DRAFT_VOCAB)
+    assert drafter.draft_vocab.tolist() == DRAFT_VOCAB
+    if lossy:
+        honest = DraftBlock.probs_over_vocabulary
+        monkeypatch.setattr(DraftBlock, "probs_over_vocabulary", lambda self, rows, K, V: honest(
+            dataclasses.replace(self, vocab=self.vocab.roll(1)), rows, K, V))
+    out = _generate(target, drafter, T1)
+    fit = goodness_of_fit(pair_samples(out, V), drafted_pair_law(target, PROMPT, T1))
+    if lossy:
+        assert not fit.passes and fit.p_value < REJECT_P, fit
+    else:
+        assert fit.passes, fit

@@ -325,6 +325,24 @@ def test_measured_rates_of_both_kinds_of_step_overrule_the_model() -> None:
     assert policy.should_draft(2)
 
 
+def test_a_gain_measured_at_a_near_request_count_moves_there_as_the_model_s_gain_moves() -> None:
+    # the model says plain at every count (gain .692 at 1 request, .685 at 2 and 3); measured at 1 request, drafting
+    # makes 100 tokens/s against plain's 80: a gain of 1.25
+    policy = _gate(40.0, probe_every=1000)
+    _steps(policy, 1, False, 1, 0.0125)
+    _steps(policy, 1, True, 4, 0.04, n=2)  # the first catches up: not measured
+    assert policy._expected_gain(2) == pytest.approx(1.25 * policy._model_gain(2) / policy._model_gain(1))
+    assert policy.should_draft(2)  # 1.237: 2 requests take 1 request's measured gain, moved as the model's moves
+    assert not policy.should_draft(3)  # 1 request is more than a factor of 2 away: the model answers
+    # measured at 2 requests too: the nearest count answers for 3 (ties go to the larger), and its own
+    # measurement for 2
+    _steps(policy, 2, False, 2, 0.0125)  # plain at 160 tokens/s
+    _steps(policy, 2, True, 2, 0.0125)  # after a plain step: catching up, not measured
+    _steps(policy, 2, True, 2, 0.025)  # drafting at 80 tokens/s: a gain of .5
+    assert not policy.should_draft(2) and not policy.should_draft(3) and policy.should_draft(1)
+    assert policy._nearest_measured(3) == 2 and policy._nearest_measured(5) is None
+
+
 def test_a_drafting_step_after_a_plain_one_is_not_measured() -> None:
     policy = _gate(40.0, probe_every=1000)
     _steps(policy, 1, False, 1, 0.0125)  # plain: 80 tokens/s

@@ -20,7 +20,9 @@ from dspark.serving.server import ServerConfig, ServerThread, create_app
 from tests.tiny import tiny_smollm2_target
 
 WARM, MORE = 100, 150
-PER_REQUEST = 0.5  # objects allowed per request after warm-up: bounded caches only (one leaked handle is ~10)
+# objects allowed per request after warm-up: bounded caches only (one leaked handle is ~10 a request; the
+# negative control below leaks 13). Healthy runs read 0.37 a request alone and 0.54 beside a training run
+PER_REQUEST = 1.0
 
 
 @pytest.fixture(scope="module")

@@ -53,12 +53,28 @@ class DraftBlock:
 
     tokens: torch.Tensor  # (R, K) int64, padding is 0
     num_tokens: torch.Tensor  # (R,) int64, 0 <= num_tokens[r] <= K
-    draft_probs: torch.Tensor  # (R, K, V) float32, the distributions the tokens were sampled from
+    # (R, K, V) float32, the distributions the tokens were sampled from; (R, K, W) over ``vocab`` when it is set.
+    # Rows of greedy requests may be left 0: their verification compares tokens and never reads them
+    draft_probs: torch.Tensor
     confidence_logits: torch.Tensor | None = None  # (R, K) raw confidence-head logits (eq. 7), before sigmoid
+    # (W,) int64: the token id of each entry of draft_probs' last axis (a drafter with a draft vocabulary samples
+    # among W tokens; its distributions are 0 elsewhere); None = draft_probs covers all V tokens
+    vocab: torch.Tensor | None = None
 
     @property
     def max_tokens(self) -> int:
         return self.tokens.shape[1]
+
+    def probs_over_vocabulary(self, rows: list[int], K: int, vocab_size: int) -> torch.Tensor:  # (len(rows), K, V)
+        """The distributions of the first K drafts of ``rows`` over all ``vocab_size`` tokens (what rejection
+        sampling compares with the target's): scattered from the draft vocabulary only for these rows, so a batch
+        of greedy requests, whose verification never reads them, never pays for (R, K, V)."""
+        probs = self.draft_probs[rows, :K]  # (S, K, V) or (S, K, W)
+        if self.vocab is None:
+            return probs
+        full = torch.zeros(len(rows), K, vocab_size, dtype=probs.dtype, device=probs.device)
+        full[:, :, self.vocab.to(probs.device)] = probs
+        return full
 
 
 @runtime_checkable

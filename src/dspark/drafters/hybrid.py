@@ -140,7 +140,11 @@ class HybridDrafter:
             rows = torch.tensor(rest, dtype=torch.long, device=dev)
             tokens[rows, :k] = sub.tokens
             num_tokens[rows] = sub.num_tokens
-            draft_probs[rows, :k] = sub.draft_probs.to(draft_probs.dtype)
+            # over V for the sampled requests only: greedy verification compares tokens (DraftBlock.draft_probs)
+            sampled = [j for j, i in enumerate(rest) if not requests[i].sampling.greedy]
+            if sampled:
+                draft_probs[rows[sampled], :k] = sub.probs_over_vocabulary(sampled, k, self.vocab_size).to(
+                    draft_probs.dtype)
             if conf is not None and sub.confidence_logits is not None:
                 conf[rows, :k] = sub.confidence_logits.to(conf.dtype)
         model_rows = {i: j for j, i in enumerate(rest)}

@@ -221,7 +221,7 @@ def _verify(
     dev = logits.device
     if K:
         draft_tokens = block.tokens[sampled, :K].to(dev)  # the sampler runs where the target's probs are
-        draft_probs = block.draft_probs[sampled, :K].to(dev)
+        draft_probs = block.probs_over_vocabulary(sampled, K, V).to(dev)
     else:
         draft_tokens = torch.zeros(len(sampled), 0, dtype=torch.long, device=dev)
         draft_probs = torch.zeros(len(sampled), 0, V, device=dev)
@@ -237,6 +237,12 @@ def _draft_gate(policy: VerifyPolicy | ConfidenceAdapter | None):
     before any draft exists, from past steps and the request count only, so skipping the drafter is lossless."""
     inner = policy.policy if isinstance(policy, ConfidenceAdapter) else policy
     return inner if hasattr(inner, "should_draft") else None
+
+
+def _most_verified(policy: VerifyPolicy | ConfidenceAdapter | None) -> int | None:
+    """The most drafts ``policy`` ever verifies per request (``FixedLength.max_verify_len``), or None: no bound."""
+    inner = policy.policy if isinstance(policy, ConfidenceAdapter) else policy
+    return getattr(inner, "max_verify_len", None)
 
 
 def speculative_step(
@@ -257,6 +263,9 @@ def speculative_step(
     R = len(requests)
     budget = [r.sampling.max_new_tokens - r.num_generated for r in requests]  # tokens still allowed
     cap = drafter.block_size if draft_cap is None else min(draft_cap, drafter.block_size)
+    most = _most_verified(policy)
+    if most is not None:  # drafts a policy never verifies are not proposed (fixed:1 drafts one, as MTP-1)
+        cap = min(cap, most)
     # drafts never run past max_new_tokens nor past the context: verify writes 1 + drafts positions
     room = [c.max_length - c.length - 1 if c.max_length is not None else cap for c in caches]
     max_tokens = [max(0, min(cap, b - 1, m)) for b, m in zip(budget, room)]

@@ -194,6 +194,11 @@ class FixedLength:
         if self.n < 0:
             raise ValueError(f"FixedLength needs n >= 0, got {self.n}")
 
+    @property
+    def max_verify_len(self) -> int:
+        """The most drafts a request ever verifies: ``speculative_step`` proposes no more (MTP-1 drafts one)."""
+        return self.n
+
     def choose(self, confidences: torch.Tensor | None, num_candidates: torch.Tensor) -> torch.Tensor:
         n = _check_num_candidates(num_candidates, None if confidences is None else confidences.shape[1])
         return _as_verify_len(n.clip(max=self.n), num_candidates)
@@ -301,10 +306,11 @@ class AsyncTopKScheduler:
     ``should_draft`` decides, before a step drafts, whether it drafts at all
     (docs/serving/step-cost.md §Skipping the drafter): where the cost model prices drafting (``draft_ms``), a step
     skips the drafter and verifies its anchors only (``speculative_step``) when a plain step is expected to make
-    more tokens per second. The expectation is the cost model's, on the newest survivals, until ``observe_step``
-    has timed both kinds of step at this request count; from then on it is their measured rates (each kind's
-    average tokens per step over its average seconds per step: the mean over its first ``RATE_WINDOW`` steps, then a
-    moving average of that window). Every ``probe_every``-th decision starts a probe of the other kind: one plain
+    more tokens per second. The expectation is their measured rates once ``observe_step`` has timed both kinds of
+    step at this request count (each kind's average tokens per step over its average seconds per step: the mean over
+    its first ``RATE_WINDOW`` steps, then a moving average of that window); before, the measured gain at the nearest
+    request count within a factor of 2, moved to this one as the cost model's gain moves (``_expected_gain``); with
+    nothing measured near, the cost model's, on the newest survivals. Every ``probe_every``-th decision starts a probe of the other kind: one plain
     step (a plain step's rate barely moves), or ``probe_steps`` drafting steps whose mean replaces drafting's rate,
     since drafting ran rarely and the content of the requests moves acceptance. Drafting probes come r^2 times rarer
     where a drafting step costs r plain ones (``_probe_interval``). A drafting step right after a plain one is not
@@ -359,11 +365,7 @@ class AsyncTopKScheduler:
         drafting cost or no survivals have been seen yet."""
         if self.cost.draft.is_zero or len(self._history) < self.lag or num_requests < 1:
             return True
-        drafted, plain = self.measured(num_requests)
-        if drafted is not None and plain is not None:
-            draft = drafted[1] / drafted[2] >= plain[1] / plain[2]
-        else:
-            draft = self._drafting_pays_on_the_model(num_requests)
+        draft = self._expected_gain(num_requests) >= 1.0
         if self._probe_left > 0:  # a probe goes on with the kind it started with
             self._probe_left -= 1
             draft = self._probe_kind
@@ -420,16 +422,39 @@ class AsyncTopKScheduler:
                 num_requests, num_requests, 0)
         return int(interval * max(1.0, ratio) ** 2)
 
-    def _drafting_pays_on_the_model(self, num_requests: int) -> bool:
-        """The cost model's answer: the best Theta of a drafting step, on the newest recorded survivals scaled to
-        ``num_requests`` requests, against a plain step's Theta = R * 1000 / (verify_ms(R) + host_ms(R))."""
+    def _expected_gain(self, num_requests: int) -> float:
+        """A drafting step's expected tokens per second over a plain step's at ``num_requests`` requests: measured
+        there when both kinds were; else measured at the nearest request count R' (within a factor of 2) where both
+        were, times how the cost model's gain moves from R' to R (a level of load brings request counts that were
+        never seen: the model's error at R' is taken to hold at R); else the cost model's."""
+        drafted, plain = self.measured(num_requests)
+        if drafted is not None and plain is not None:
+            return (drafted[1] / drafted[2]) / (plain[1] / plain[2])
+        near = self._nearest_measured(num_requests)
+        if near is None:
+            return self._model_gain(num_requests)
+        drafted, plain = self.measured(near)
+        model_near = self._model_gain(near)
+        trend = self._model_gain(num_requests) / model_near if model_near > 0 else 1.0
+        return (drafted[1] / drafted[2]) / (plain[1] / plain[2]) * trend
+
+    def _nearest_measured(self, num_requests: int) -> int | None:
+        """The request count nearest ``num_requests`` (ties: the larger) within a factor of 2 where both kinds of
+        step were measured, or None."""
+        both = {r for r, kind in self._rates if kind and (r, False) in self._rates}
+        near = [r for r in both if num_requests / 2 <= r <= 2 * num_requests]
+        return min(near, key=lambda r: (abs(r - num_requests), -r)) if near else None
+
+    def _model_gain(self, num_requests: int) -> float:
+        """The cost model's gain: the best Theta of a drafting step, on the newest recorded survivals scaled to
+        ``num_requests`` requests, over a plain step's Theta = R * 1000 / (verify_ms(R) + host_ms(R))."""
         pool, drafting = self._history[-1]
         if drafting < 1:
-            return True
+            return 1.0
         # the pool of R_d requests stands for R requests: each survival counts R / R_d times
         best = _theta_curve(pool, num_requests, self.cost, num_requests, num_requests / drafting).max()
         plain = _theta_curve(pool[:0], num_requests, self.cost, 0)[0]  # no drafts, no drafting cost
-        return bool(best >= plain)
+        return float(best / plain)
 
     def capacity(self, num_requests: int, num_drafting: int | None = None) -> int | None:
         """K* for a step with ``num_requests`` requests (``num_drafting`` of them drafting, default all), from

@@ -18,7 +18,8 @@ rejection sampler stays lossless. DFlash (no head) samples every slot from U_k.
 Draft vocabulary: a checkpoint that carries one (``draft_vocab`` in model.safetensors)
 drafts from its W tokens; a full-vocabulary model given ``draft_vocab`` ids (``--draft-vocab
 FILE``) is restricted to them in memory (``restrict_to_draft_vocab``). Sampling happens over
-the W tokens; the reported ``draft_probs`` are those probabilities scattered into V (0 outside).
+the W tokens; the reported ``draft_probs`` are those probabilities over the W tokens, with ``DraftBlock.vocab``
+naming them (``DraftBlock.probs_over_vocabulary`` scatters them into V, 0 outside, for the requests that need it).
 """
 
 from __future__ import annotations
@@ -70,31 +71,49 @@ class DSparkDrafter:
 
     def _context_cache(self, req: RequestState) -> KVCache:
         """The request's projected context, brought up to its ``context_features``."""
-        feats = req.context_features
-        if feats is None:
-            raise RuntimeError(
-                f"request {req.request_id} has no context_features; the loop must capture "
-                f"target layers {self.target_layer_ids} for a DSpark drafter"
-            )
-        m, n = self.model, feats.shape[0]
-        cache = req.draft_state
-        if not isinstance(cache, KVCache) or cache.length > n or cache.pool is not self._pool():
-            # first use (or a state that is not ours): a slot of the drafter's pool, room for the block after it
-            cap = n + req.sampling.max_new_tokens + m.config.block_size + 2
-            cache = self._pool().allocate(cap)
-            req.draft_state = cache
-        start = cache.length
-        if n > start:
-            context = m.project_context(feats[start:n])  # (n_new, H)
-            rope = Rope(torch.arange(start, n, device=feats.device))
-            cache.reserve(n - start)
-            for layer_idx in range(m.spec.num_layers):
-                cos_sin = rope.for_layer(m.layers[layer_idx].self_attn, context.dtype)
-                k, v = m.context_kv(layer_idx, context, cos_sin)  # (Hkv, n_new, D)
-                cache.keys[layer_idx, :, start:n] = k
-                cache.values[layer_idx, :, start:n] = v
+        return self._context_caches([req])[0]
+
+    def _context_caches(self, requests: list[RequestState]) -> list[KVCache]:
+        """Each request's projected context, brought up to its ``context_features``: the new positions of every
+        request are projected together (one ``project_context`` and one ``context_kv`` per layer for the batch,
+        however many requests catch up, as after steps that skipped the drafter) and written in one indexed copy
+        per layer."""
+        m, caches, pieces, spans = self.model, [], [], []  # spans: (cache, start, n) of each request with new rows
+        for req in requests:
+            feats = req.context_features
+            if feats is None:
+                raise RuntimeError(
+                    f"request {req.request_id} has no context_features; the loop must capture "
+                    f"target layers {self.target_layer_ids} for a DSpark drafter"
+                )
+            n, cache = feats.shape[0], req.draft_state
+            if not isinstance(cache, KVCache) or cache.length > n or cache.pool is not self._pool():
+                # first use (or a state that is not ours): a slot of the drafter's pool, room for the block after it
+                cap = n + req.sampling.max_new_tokens + m.config.block_size + 2
+                cache = self._pool().allocate(cap)
+                req.draft_state = cache
+            if n > cache.length:
+                cache.reserve(n - cache.length)  # may grow the pool: the writes below go to its newest tensors
+                pieces.append(feats[cache.length:n])  # (n_new, F)
+                spans.append((cache, cache.length, n))
+            caches.append(cache)
+        if not spans:
+            return caches
+        dev = pieces[0].device
+        context = m.project_context(torch.cat(pieces) if len(pieces) > 1 else pieces[0])  # (N_new, H)
+        positions = torch.cat([torch.arange(start, n, device=dev) for _, start, n in spans])  # (N_new,)
+        slots = torch.cat([torch.full((n - start,), c.slot, dtype=torch.long, device=dev)
+                           for c, start, n in spans])  # (N_new,)
+        rope, pool = Rope(positions), self._pool()
+        for layer_idx in range(m.spec.num_layers):
+            cos_sin = rope.for_layer(m.layers[layer_idx].self_attn, context.dtype)
+            k, v = m.context_kv(layer_idx, context, cos_sin)  # (Hkv, N_new, D)
+            # pool.keys[layer]: (P, Hkv, C, D); indexed by (slot, :, position) it takes (N_new, Hkv, D)
+            pool.keys[layer_idx][slots, :, positions] = k.transpose(0, 1)
+            pool.values[layer_idx][slots, :, positions] = v.transpose(0, 1)
+        for cache, _, n in spans:
             cache.length = n
-        return cache
+        return caches
 
     def _pool(self) -> KVPool:
         """The pool of every request's projected context, so that all blocks attend in one call per layer."""
@@ -114,22 +133,22 @@ class DSparkDrafter:
         want = [max(0, min(int(t), self.block_size)) for t in max_tokens]
         K = max(want, default=0)
         tokens = torch.zeros(R, K, dtype=torch.long, device=dev)
-        draft_probs = torch.zeros(R, K, self.vocab_size, device=dev)
+        vocab = self.draft_vocab
+        width = self.vocab_size if vocab is None else vocab.numel()  # V, or W with a draft vocabulary
+        draft_probs = torch.zeros(R, K, width, device=dev)  # (R, K, V or W)
         conf_logits = torch.zeros(R, K, device=dev) if self.has_confidence else None
         num_tokens = torch.tensor(want, dtype=torch.long, device=dev)
         if K == 0:
-            return DraftBlock(tokens, num_tokens, draft_probs, conf_logits)
+            return DraftBlock(tokens, num_tokens, draft_probs, conf_logits, vocab)
 
-        caches = []
-        for req in requests:
-            cache = self._context_cache(req)
+        caches = self._context_caches(requests)
+        for req, cache in zip(requests, caches):
             start = len(req.tokens) - 1  # position of the anchor
             if cache.length != start:
                 raise RuntimeError(
                     f"request {req.request_id}: {cache.length} context features for an anchor at position {start}"
                 )
             cache.reserve(G)  # the block's keys sit after the context in the slot while it attends
-            caches.append(cache)
         # the block [anchor, mask x (G-1)] at positions start..start+G-1 sees the context and all of itself
         layout = BatchLayout.build([G] * R, caches, dev, causal=False)
         ids = torch.full((R, G), m.config.mask_token_id, dtype=torch.long, device=dev)  # (R, G)
@@ -140,7 +159,6 @@ class DSparkDrafter:
 
         prev = torch.tensor([req.anchor for req in requests], dtype=torch.long, device=dev)  # x_{-1} = anchor
         base, cand = self._base_logits(hidden[:, :K].reshape(R * K, -1), R, K)  # (R, K, W), (R, K, M) or None
-        vocab = self.draft_vocab
         settings = torch.tensor([[r.sampling.temperature, r.sampling.top_k, r.sampling.top_p] for r in requests],
                                 dtype=torch.float64)  # (R, 3)
         temps, top_k, top_p = settings[:, 0].float(), settings[:, 1].long(), settings[:, 2].float()  # (R,) each
@@ -161,15 +179,10 @@ class DSparkDrafter:
             tokens[rows, k] = tok
             prev = prev.clone()
             prev[rows] = tok
-            if vocab is None:
-                draft_probs[rows, k] = probs
-            elif len(act) == R:  # the distribution sampled from, in V: 0 outside the draft vocabulary
-                draft_probs[:, k, vocab] = probs.to(draft_probs.dtype)
-            else:
-                draft_probs[rows[:, None], k, vocab[None, :]] = probs.to(draft_probs.dtype)
+            draft_probs[rows, k] = probs.to(draft_probs.dtype)  # the distribution sampled from, over V or W
         if conf_logits is not None:
             conf_logits *= torch.arange(K, device=dev)[None, :] < num_tokens[:, None]
-        return DraftBlock(tokens, num_tokens, draft_probs, conf_logits)
+        return DraftBlock(tokens, num_tokens, draft_probs, conf_logits, vocab)
 
     def _base_logits(self, hidden: torch.Tensor, R: int, K: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """U_k of every slot in one 2-D matmul (U does not depend on x_<k; a 3-D input would copy the LM head),
