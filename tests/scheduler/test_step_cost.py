@@ -343,6 +343,19 @@ def test_a_gain_measured_at_a_near_request_count_moves_there_as_the_model_s_gain
     assert policy._nearest_measured(3) == 2 and policy._nearest_measured(5) is None
 
 
+def test_at_a_new_request_count_a_plain_step_is_measured_before_the_model_decides() -> None:
+    policy = _gate(1.0, probe_every=1000)  # the model says: draft, at any count
+    assert policy.should_draft(1)  # nothing measured anywhere yet: the model decides
+    _steps(policy, 1, True, 4, 0.04, n=2)  # drafting measured at 1 request (the first step catches up)
+    assert not policy.should_draft(1)  # the gate measures steps now: a plain step first where none was measured
+    _steps(policy, 1, False, 1, 0.0125)
+    assert policy.should_draft(1)  # both measured: 100 against 80 tokens/s
+    assert not policy.should_draft(5)  # 5 requests: nothing measured within a factor of 2, so a plain step first
+    _steps(policy, 5, False, 5, 0.02)
+    assert policy.should_draft(5)  # plain measured there: the model answers until drafting is measured too
+    assert policy.should_draft(2)  # 1 request's measurements answer for 2
+
+
 def test_a_drafting_step_after_a_plain_one_is_not_measured() -> None:
     policy = _gate(40.0, probe_every=1000)
     _steps(policy, 1, False, 1, 0.0125)  # plain: 80 tokens/s

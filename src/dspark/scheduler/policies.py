@@ -310,7 +310,8 @@ class AsyncTopKScheduler:
     step at this request count (each kind's average tokens per step over its average seconds per step: the mean over
     its first ``RATE_WINDOW`` steps, then a moving average of that window); before, the measured gain at the nearest
     request count within a factor of 2, moved to this one as the cost model's gain moves (``_expected_gain``); with
-    nothing measured near, the cost model's, on the newest survivals. Every ``probe_every``-th decision starts a probe of the other kind: one plain
+    nothing measured near, the cost model's, on the newest survivals, after one plain step measured at this count
+    (``_plain_unmeasured``). Every ``probe_every``-th decision starts a probe of the other kind: one plain
     step (a plain step's rate barely moves), or ``probe_steps`` drafting steps whose mean replaces drafting's rate,
     since drafting ran rarely and the content of the requests moves acceptance. Drafting probes come r^2 times rarer
     where a drafting step costs r plain ones (``_probe_interval``). A drafting step right after a plain one is not
@@ -365,7 +366,10 @@ class AsyncTopKScheduler:
         drafting cost or no survivals have been seen yet."""
         if self.cost.draft.is_zero or len(self._history) < self.lag or num_requests < 1:
             return True
-        draft = self._expected_gain(num_requests) >= 1.0
+        if self._plain_unmeasured(num_requests):
+            draft = False  # a plain step is the cheap one to learn: measured first, it decides sooner
+        else:
+            draft = self._expected_gain(num_requests) >= 1.0
         if self._probe_left > 0:  # a probe goes on with the kind it started with
             self._probe_left -= 1
             draft = self._probe_kind
@@ -437,6 +441,14 @@ class AsyncTopKScheduler:
         model_near = self._model_gain(near)
         trend = self._model_gain(num_requests) / model_near if model_near > 0 else 1.0
         return (drafted[1] / drafted[2]) / (plain[1] / plain[2]) * trend
+
+    def _plain_unmeasured(self, num_requests: int) -> bool:
+        """Whether the gate measures steps (``observe_step`` has recorded some) but no plain step at
+        ``num_requests`` requests, nor both kinds at a near count: then a plain step runs first, as the model alone
+        would have drafting run until the next probe (``probe_every`` decisions) where it is wrong, and a drafting
+        step costs several plain ones at many requests."""
+        return bool(self._rates) and self.measured(num_requests)[1] is None and \
+            self._nearest_measured(num_requests) is None
 
     def _nearest_measured(self, num_requests: int) -> int | None:
         """The request count nearest ``num_requests`` (ties: the larger) within a factor of 2 where both kinds of
