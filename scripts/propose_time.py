@@ -31,6 +31,8 @@ def main() -> None:
     p.add_argument("--catch-up", type=int, default=0, metavar="N",
                    help="context rows each request catches up on before each proposal (default: %(default)s)")
     args = p.parse_args()
+    if not 0 <= args.catch_up < 200:  # each request's context is 200 tokens
+        p.error(f"--catch-up must be 0-199 (rows of a 200-token context), got {args.catch_up}")
     torch.set_num_threads(1)
 
     from dspark.data.eval_sets import load_eval_dataset

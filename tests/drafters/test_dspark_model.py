@@ -230,7 +230,7 @@ def test_requests_catching_up_together_equal_each_alone(tiny):
         for tokens, k in zip(prompts, seen):
             if k:  # the drafter saw the first k - 1 context rows at an earlier step
                 early = request_after(tiny, tokens[:k], LAYER_IDS, SamplingParams(temperature=0.0))
-                drafter._context_cache(early)
+                drafter._context_caches([early])
                 req = request_after(tiny, tokens, LAYER_IDS, SamplingParams(temperature=0.0))
                 req.draft_state = early.draft_state
             else:
@@ -240,7 +240,7 @@ def test_requests_catching_up_together_equal_each_alone(tiny):
 
     together_drafter, alone_drafter = DSparkDrafter(model), DSparkDrafter(model)
     together = together_drafter._context_caches(requests(together_drafter))
-    alone = [alone_drafter._context_cache(req) for req in requests(alone_drafter)]
+    alone = [alone_drafter._context_caches([req])[0] for req in requests(alone_drafter)]
     for a, b, tokens in zip(together, alone, prompts):
         n = len(tokens) - 1
         assert a.length == b.length == n
@@ -276,7 +276,7 @@ def _propose_slowly(drafter: DSparkDrafter, req, n: int) -> tuple[list[int], tor
     m, G = drafter.model, drafter.model.config.block_size
     block = drafter.propose([req], [0])  # nothing drafted: only the request's context cache is brought up to date
     assert block.tokens.numel() == 0
-    cache = drafter._context_cache(req)
+    cache = drafter._context_caches([req])[0]
     cache.reserve(G)
     layout = BatchLayout.build([G], [cache], torch.device("cpu"), causal=False)
     ids = torch.full((1, G), m.config.mask_token_id, dtype=torch.long)

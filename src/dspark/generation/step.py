@@ -232,17 +232,21 @@ def _verify(
     return accepted, committed
 
 
+def _inner_policy(policy: VerifyPolicy | ConfidenceAdapter | None) -> VerifyPolicy | None:
+    """The verify policy itself, out of its confidence adapter."""
+    return policy.policy if isinstance(policy, ConfidenceAdapter) else policy
+
+
 def _draft_gate(policy: VerifyPolicy | ConfidenceAdapter | None):
     """The policy that decides whether a step drafts (``AsyncTopKScheduler.should_draft``), or None. It decides
     before any draft exists, from past steps and the request count only, so skipping the drafter is lossless."""
-    inner = policy.policy if isinstance(policy, ConfidenceAdapter) else policy
+    inner = _inner_policy(policy)
     return inner if hasattr(inner, "should_draft") else None
 
 
 def _most_verified(policy: VerifyPolicy | ConfidenceAdapter | None) -> int | None:
     """The most drafts ``policy`` ever verifies per request (``FixedLength.max_verify_len``), or None: no bound."""
-    inner = policy.policy if isinstance(policy, ConfidenceAdapter) else policy
-    return getattr(inner, "max_verify_len", None)
+    return getattr(_inner_policy(policy), "max_verify_len", None)
 
 
 def speculative_step(

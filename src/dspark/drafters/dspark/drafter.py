@@ -69,10 +69,6 @@ class DSparkDrafter:
         self.vocab_size = model.spec.vocab_size
         self.has_confidence = model.confidence_head is not None
 
-    def _context_cache(self, req: RequestState) -> KVCache:
-        """The request's projected context, brought up to its ``context_features``."""
-        return self._context_caches([req])[0]
-
     def _context_caches(self, requests: list[RequestState]) -> list[KVCache]:
         """Each request's projected context, brought up to its ``context_features``: the new positions of every
         request are projected together (one ``project_context`` and one ``context_kv`` per layer for the batch,
