@@ -211,12 +211,15 @@ class EveryOtherStepDrafts(PerGroup):
     """A draft gate (``AsyncTopKScheduler.should_draft``'s hook) that skips the drafter in every other step:
     decided before the step from the step count alone, as the real gate decides from past steps."""
 
-    def __init__(self) -> None:
+    def __init__(self, first_drafts: bool = False) -> None:
         super().__init__(lambda: FixedLength(2), 1)
+        self.first_drafts = first_drafts
         self.gates: list[bool] = []
+        self.never_drafted: list[int] = []  # what the step reported: requests of the batch that never drafted
 
-    def should_draft(self, num_requests: int) -> bool:
-        self.gates.append(len(self.gates) % 2 == 1)
+    def should_draft(self, num_requests: int, never_drafted: int = 0) -> bool:
+        self.never_drafted.append(never_drafted)
+        self.gates.append(len(self.gates) % 2 == (0 if self.first_drafts else 1))
         return self.gates[-1]
 
 
@@ -230,6 +233,58 @@ def test_steps_that_skip_the_drafter_keep_the_target_law():
     assert fit.passes, fit
     assert True in policy.gates and False in policy.gates
     assert int(torch.cat(policy.lengths).sum()) > 0  # the drafting steps did verify drafts
+    # every request is new to drafting until the first drafting step (the second), then none is
+    first = policy.never_drafted[0]
+    assert policy.never_drafted[0] > 0 and policy.never_drafted[1] == policy.never_drafted[0]  # a plain step: new
+
+
+def test_a_step_tells_the_gate_how_many_requests_never_drafted():
+    """``RequestState.drafted_steps`` counts the steps whose drafter ran for the request; the gate hears how many
+    of the batch have none (``AsyncTopKScheduler`` probes such a batch sooner)."""
+    target = _target()
+    policy = EveryOtherStepDrafts(first_drafts=True)
+    gen = SpeculativeGenerator(target, _drafter(target), policy=ConfidenceAdapter(policy, sts_temperatures=STS))
+    gen.generate([PROMPT] * 3, [SamplingParams(1.0, max_new_tokens=12, seed=i) for i in range(3)])
+    assert policy.gates[:2] == [True, False] and policy.never_drafted[:2] == [3, 0]
+
+
+class SomeRequestsDraft(PerGroup):
+    """A per-request draft gate (``AsyncTopKScheduler.drafting_requests``' hook): in each step every other request
+    drafts, alternating which half by step, decided from the step count and the position in the batch alone."""
+
+    def __init__(self) -> None:
+        super().__init__(lambda: FixedLength(2), 1)
+        self.steps = 0
+        self.drafting: list[int] = []  # requests that drafted, per step
+
+    def drafting_requests(self, requests) -> list[bool]:
+        mask = [(r + self.steps) % 2 == 0 for r in range(len(requests))]
+        self.steps += 1
+        self.drafting.append(sum(mask))
+        return mask
+
+
+@pytest.mark.parametrize("lossy", [False, True], ids=["lossless", "probs-spread-to-the-next-row"])
+def test_steps_where_some_requests_draft_keep_the_target_law(lossy, monkeypatch):
+    """The drafter runs on the drafting requests alone (``DraftBlock.spread`` widens its block to the batch); the
+    others verify their anchor and catch up later. The joint law of the 2nd and 3rd tokens holds. Negative control:
+    each drafting request's distributions spread to the next drafting request's row, its tokens to its own."""
+    from dspark.drafters.base import DraftBlock
+
+    if lossy:
+        honest = DraftBlock.spread
+        monkeypatch.setattr(DraftBlock, "spread", lambda self, rows, R: honest(
+            dataclasses.replace(self, draft_probs=self.draft_probs.roll(1, 0)), rows, R))
+    target = _target()
+    policy = SomeRequestsDraft()
+    out = _generate(target, _drafter(target), T1, ConfidenceAdapter(policy, sts_temperatures=STS))
+    fit = goodness_of_fit(pair_samples(out, V), drafted_pair_law(target, PROMPT, T1))
+    if lossy:
+        assert not fit.passes and fit.p_value < REJECT_P, fit
+        return
+    assert fit.passes, fit
+    assert 0 < min(policy.drafting) and max(policy.drafting) < CHUNK  # some requests drafted, never all
+    assert int(torch.cat(policy.lengths).sum()) > 0
 
 
 # ------------------------------------------------------------------ draft vocabulary

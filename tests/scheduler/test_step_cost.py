@@ -11,8 +11,10 @@ import random
 import pytest
 import torch
 
+from dspark.drafters.base import RequestState
 from dspark.errors import BadFileError
 from dspark.scheduler.adapter import make_policy
+from dspark.sampling.processing import SamplingParams
 from dspark.scheduler.policies import AsyncTopKScheduler, GreedyPrefixScheduler, RetrospectiveGlobalSearch
 from dspark.scheduler.sps import SPSTable
 from dspark.scheduler.step_cost import CostCurve, StepCostModel, as_step_cost
@@ -310,14 +312,14 @@ def _steps(policy: AsyncTopKScheduler, requests: int, drafted: bool, tokens: int
 
 def test_measured_rates_of_both_kinds_of_step_overrule_the_model() -> None:
     policy = _gate(40.0, probe_every=1000)  # the model says: plain steps
-    _steps(policy, 1, True, 3, 0.05, n=2)  # drafting at 60 tokens/s (the first, catching up, is not measured) ...
+    _steps(policy, 1, True, 3, 0.05, n=4)  # drafting at 60 tokens/s (the first, catching up, is not measured) ...
     assert not policy.should_draft(1)  # ... but one kind alone does not decide
     _steps(policy, 1, False, 1, 0.025)  # plain at 40 tokens/s: drafting is faster here after all
     assert policy.should_draft(1)
     _steps(policy, 1, False, 1, 0.01, n=6)  # plain steps get faster: 7 steps in 0.085 s, 82 tokens/s
     assert not policy.should_draft(1)
     # rates are kept per request count: 2 requests have none yet, so the model answers there
-    _steps(policy, 2, True, 4, 0.05, n=2)  # after a plain step: the first one catches up
+    _steps(policy, 2, True, 4, 0.05, n=4)  # after a plain step: the first one catches up
     assert not policy.should_draft(2)
     _steps(policy, 2, False, 2, 0.1)  # 80 against 20 tokens/s
     assert policy.should_draft(2) and not policy.should_draft(1)
@@ -330,7 +332,7 @@ def test_a_gain_measured_at_a_near_request_count_moves_there_as_the_model_s_gain
     # makes 100 tokens/s against plain's 80: a gain of 1.25
     policy = _gate(40.0, probe_every=1000)
     _steps(policy, 1, False, 1, 0.0125)
-    _steps(policy, 1, True, 4, 0.04, n=2)  # the first catches up: not measured
+    _steps(policy, 1, True, 4, 0.04, n=4)  # the first catches up: not measured
     assert policy._expected_gain(2) == pytest.approx(1.25 * policy._model_gain(2) / policy._model_gain(1))
     assert policy.should_draft(2)  # 1.237: 2 requests take 1 request's measured gain, moved as the model's moves
     assert not policy.should_draft(3)  # 1 request is more than a factor of 2 away: the model answers
@@ -338,7 +340,7 @@ def test_a_gain_measured_at_a_near_request_count_moves_there_as_the_model_s_gain
     # measurement for 2
     _steps(policy, 2, False, 2, 0.0125)  # plain at 160 tokens/s
     _steps(policy, 2, True, 2, 0.0125)  # after a plain step: catching up, not measured
-    _steps(policy, 2, True, 2, 0.025)  # drafting at 80 tokens/s: a gain of .5
+    _steps(policy, 2, True, 2, 0.025, n=3)  # drafting at 80 tokens/s: a gain of .5
     assert not policy.should_draft(2) and not policy.should_draft(3) and policy.should_draft(1)
     assert policy._nearest_measured(3) == 2 and policy._nearest_measured(5) is None
 
@@ -346,7 +348,7 @@ def test_a_gain_measured_at_a_near_request_count_moves_there_as_the_model_s_gain
 def test_at_a_new_request_count_a_plain_step_is_measured_before_the_model_decides() -> None:
     policy = _gate(1.0, probe_every=1000)  # the model says: draft, at any count
     assert policy.should_draft(1)  # nothing measured anywhere yet: the model decides
-    _steps(policy, 1, True, 4, 0.04, n=2)  # drafting measured at 1 request (the first step catches up)
+    _steps(policy, 1, True, 4, 0.04, n=4)  # drafting measured at 1 request (the first step catches up)
     assert not policy.should_draft(1)  # the gate measures steps now: a plain step first where none was measured
     _steps(policy, 1, False, 1, 0.0125)
     assert policy.should_draft(1)  # both measured: 100 against 80 tokens/s
@@ -361,8 +363,21 @@ def test_a_drafting_step_after_a_plain_one_is_not_measured() -> None:
     _steps(policy, 1, False, 1, 0.0125)  # plain: 80 tokens/s
     _steps(policy, 1, True, 2, 0.5)  # catching up on the plain steps' context: slow, and left out
     assert policy.measured(1) == (None, (1, 1.0, 0.0125))
-    _steps(policy, 1, True, 4, 0.04)  # steady drafting: 100 tokens/s
+    _steps(policy, 1, True, 4, 0.04, n=3)  # steady drafting: 100 tokens/s
     assert policy.should_draft(1)
+
+
+def test_one_unlucky_drafting_step_does_not_decide() -> None:
+    # the model says draft; plain measured at 80 tokens/s. A drafting step commits 1 to 1 + K tokens: the gate waits
+    # for probe_steps - 1 measured drafting steps (what a probe measures) before their rate overrules the model
+    policy = _gate(1.0, probe_every=1000)
+    assert policy.min_drafting_steps == 3
+    _steps(policy, 1, False, 1, 0.0125)
+    _steps(policy, 1, True, 1, 0.04, n=3)  # catching up, then two 1-token steps: 25 tokens/s
+    assert policy.measured(1)[0][0] == 2 and policy.should_draft(1)  # two steps are luck: the model still answers
+    _steps(policy, 1, True, 1, 0.04)  # the third: now the window decides
+    assert not policy.should_draft(1)
+    assert AsyncTopKScheduler(policy.cost, probe_every=8, probe_steps=1).min_drafting_steps == 1
 
 
 def test_measured_rates_are_tokens_over_seconds_of_a_window_not_a_mean_of_step_rates() -> None:
@@ -399,3 +414,101 @@ def test_a_probe_measures_the_rarely_run_kind_anew() -> None:
     _steps(policy, 1, True, 6, 0.011)
     assert policy.should_draft(1)  # no probe left: the fresh measurement says draft
     assert policy.measured(1)[0][0] == 2  # the window holds the probe's two measured steps only
+
+
+def test_a_batch_mostly_new_to_drafting_is_probed_sooner() -> None:
+    # plain 100 tokens/s against drafting's 91 (a drafting step 1.1 plain ones): 8 plain decisions before a drafting
+    # probe; while most of the batch has never drafted, its acceptance is unknown: 8 // 4 = 2
+    def measured_gate(drafting_s: float) -> AsyncTopKScheduler:
+        policy = _gate(40.0, probe_every=8, probe_steps=3)
+        _steps(policy, 1, False, 1, 0.010, n=4)
+        _steps(policy, 1, True, 1, drafting_s, n=17)
+        _steps(policy, 1, False, 1, 0.010)
+        return policy
+
+    policy = measured_gate(0.011)
+    assert [policy.should_draft(1, 0) for _ in range(9)] == [False] * 8 + [True]
+    policy = measured_gate(0.011)
+    assert [policy.should_draft(1, 1) for _ in range(3)] == [False, False, True]
+    # two requests, one new: not most of the batch
+    policy = measured_gate(0.011)
+    _steps(policy, 2, False, 2, 0.010, n=2)
+    _steps(policy, 2, True, 2, 0.011, n=4)
+    assert [policy.should_draft(2, 1) for _ in range(3)] == [False] * 3
+    # where a drafting step costs 2 plain ones (more than NEW_BATCH_MAX_RATIO), probes keep their spacing: 7 * 4
+    policy = measured_gate(0.020)
+    assert [policy.should_draft(1, 1) for _ in range(29)] == [False] * 28 + [True]
+
+
+def _requests(*own: tuple[int, int]) -> list[RequestState]:
+    """Requests with (drafted_steps, drafted_tokens) each."""
+    return [RequestState(str(i), 1, [1], SamplingParams(0.0), torch.Generator(), drafted_steps=s, drafted_tokens=t)
+            for i, (s, t) in enumerate(own)]
+
+
+def test_in_a_plain_step_the_requests_whose_own_acceptance_pays_draft() -> None:
+    policy = _gate(40.0, probe_every=1000)
+    _steps(policy, 4, False, 4, 0.030)  # 4 requests: plain steps measured at 30 ms (133 tokens/s)
+    batch = _requests((10, 32), (10, 13), (10, 20), (0, 0))  # own acceptance 3.2, 1.3, 2.0, unknown
+    # nothing measured of drafting yet: the model prices one drafting request (verify 10 + 2B ms, drafting 40 ms):
+    # from 18 ms to 70 ms for 4 + 6 rows, times 30 / 18 -> 87 ms: no request pays that, nor would one of 2 tokens
+    # per step (1 * 30 < 4 * 87), so the one without a record of its own does not draft to get one either
+    assert policy.drafting_requests(batch) == [False] * 4
+    # all drafting measured at 60 ms for 5 tokens (plain still wins): 30 ms more for 4 requests, 7.5 ms each
+    _steps(policy, 4, True, 5, 0.060, n=4)
+    assert not policy.should_draft(4) and policy._marginal_seconds(4, 0.030) == pytest.approx(0.0075)
+    # 3.2 pays from 1 + 4 * 7.5 / 30 = 2; then 6.2 tokens in 37.5 ms, which 2.0's 1 / 7.5 ms does not beat
+    assert policy.drafting_requests(batch) == [True, False, False, False]
+    # steps where 1 request drafted took 40 ms: measured, one drafting request adds 10 ms
+    for _ in range(3):
+        policy.observe_step(4, True, 6, 0.040, num_drafting=1)
+    assert policy.measured_marginal() == {4: (3, pytest.approx(0.010))}
+    assert policy.drafting_requests(batch) == [True, False, False, False]  # 3.2 pays from 1 + 4 * 10 / 30
+    assert policy._marginal_seconds(7, 0.03) == pytest.approx(0.010)  # within a factor of 2: 4's answers for 7
+    # a partial step is not a drafting step of all requests: the window of those stays as it was
+    assert policy.measured(4)[0][0] == 3
+    # a drafting probe drafts every request (r = 60 / 30 = 2: int(2 * 4) = 8 decisions apart) ...
+    probing = _gate(40.0, probe_every=3, probe_steps=2)
+    _steps(probing, 4, False, 4, 0.030)
+    _steps(probing, 4, True, 5, 0.060, n=4)
+    for _ in range(3):
+        probing.observe_step(4, True, 6, 0.040, num_drafting=1)
+    some = [True, False, False, False]
+    assert [probing.drafting_requests(batch) for _ in range(11)] == [some] * 8 + [[True] * 4] * 2 + [some]
+    # ... where drafting wins, every request drafts, and a plain probe (every 3rd decision) drafts none
+    drafting = _gate(1.0, probe_every=3, probe_steps=2)
+    _steps(drafting, 4, False, 4, 0.060)
+    _steps(drafting, 4, True, 8, 0.060, n=4)
+    assert [drafting.drafting_requests(batch) for _ in range(4)] == [[True] * 4] * 2 + [[False] * 4] + [[True] * 4]
+
+
+def test_a_request_without_a_record_drafts_where_a_typical_drafting_request_pays() -> None:
+    # one request: plain 30 ms, drafting 40 ms for 2.5 tokens (62.5 tokens/s against 33: drafting wins) ...
+    policy = _gate(40.0, probe_every=1000)
+    _steps(policy, 1, False, 1, 0.030)
+    _steps(policy, 1, True, 3, 0.040, n=4)
+    assert policy.drafting_requests(_requests((0, 0))) == [True]
+    # ... then plain wins (drafting 1 token in 40 ms): the requests before had a low acceptance. A new request
+    # drafts until it has a record (one of 2 tokens per step would pay: 1 * 30 ms > 1 * 10 ms), then by its own
+    _steps(policy, 1, True, 1, 0.040, n=48)
+    assert not policy.should_draft(1)
+    assert policy.drafting_requests(_requests((0, 0))) == [True]
+    assert policy.drafting_requests(_requests((2, 7))) == [True]  # 3.5 per step: its drafting pays
+    assert policy.drafting_requests(_requests((2, 2.4))) == [False]  # 1.2: it does not
+    # at 4 requests one more drafting request costs 10 ms of a 30 ms step: a 2-token request would not pay there
+    policy = _gate(40.0, probe_every=1000)
+    _steps(policy, 4, False, 4, 0.030)
+    _steps(policy, 4, True, 5, 0.070, n=4)
+    assert policy.drafting_requests(_requests((0, 0), (0, 0), (0, 0), (0, 0))) == [False] * 4
+
+
+def test_a_block_of_some_requests_spreads_to_the_batch() -> None:
+    from dspark.drafters.base import DraftBlock
+
+    block = DraftBlock(torch.tensor([[5, 6], [7, 8]]), torch.tensor([2, 1]), torch.rand(2, 2, 4),
+                       torch.tensor([[1.0, 2.0], [3.0, 4.0]]), torch.tensor([0, 3, 5, 9]))
+    wide = block.spread([3, 1], 4)
+    assert wide.tokens.tolist() == [[0, 0], [7, 8], [0, 0], [5, 6]]
+    assert wide.num_tokens.tolist() == [0, 1, 0, 2]
+    assert torch.equal(wide.draft_probs[3], block.draft_probs[0]) and not wide.draft_probs[0].any()
+    assert wide.confidence_logits.tolist() == [[0, 0], [3, 4], [0, 0], [1, 2]] and wide.vocab is block.vocab

@@ -232,7 +232,8 @@ def test_async_skips_the_drafter_in_the_engine_and_counts_it(target, drafter):
     from dspark.scheduler.step_cost import CostCurve, StepCostModel
 
     verify = CostCurve(tuple(range(1, 65)), tuple(10.0 + b for b in range(1, 65)))
-    policy = AsyncTopKScheduler(StepCostModel(verify, 64, draft=CostCurve((1,), (1000.0,))), lag=1, probe_every=4)
+    policy = AsyncTopKScheduler(StepCostModel(verify, 64, draft=CostCurve((1,), (1000.0,))), lag=1, probe_every=4,
+                                probe_steps=2)
     sampling = SamplingParams(0.0, max_new_tokens=24)
     with Engine(target, drafter, ConfidenceAdapter(policy, fallback_confidence=0.9)) as engine:
         texts = [engine.generate(p, sampling, timeout=30) for p in PROMPTS[:2]]

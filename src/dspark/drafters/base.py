@@ -35,6 +35,8 @@ class RequestState:
     feature_buffer: Any = None  # the room context_features is a view of (dspark.generation.context_features)
     draft_state: Any = None  # the drafter's own per-request state (DSpark: its projected-context cache)
     hybrid_state: Any = None  # HybridDrafter's per-request acceptance statistics (dspark.drafters.hybrid)
+    drafted_steps: int = 0  # steps whose drafter ran for this request (the async scheduler's draft gate reads it)
+    drafted_tokens: int = 0  # tokens those steps committed for it, bonus included
     finished: bool = False
     finish_reason: str | None = None
 
@@ -64,6 +66,19 @@ class DraftBlock:
     @property
     def max_tokens(self) -> int:
         return self.tokens.shape[1]
+
+    def spread(self, rows: list[int], num_requests: int) -> DraftBlock:
+        """This block of len(rows) requests as a block of ``num_requests``: row i becomes row ``rows[i]``; the other
+        rows propose nothing (a step where only some requests drafted)."""
+        R, idx = num_requests, torch.tensor(rows, dtype=torch.long, device=self.tokens.device)
+
+        def widen(x: torch.Tensor) -> torch.Tensor:  # (S, ...) -> (R, ...), zeros elsewhere
+            out = x.new_zeros((R, *x.shape[1:]))
+            out[idx] = x
+            return out
+
+        return DraftBlock(widen(self.tokens), widen(self.num_tokens), widen(self.draft_probs),
+                          None if self.confidence_logits is None else widen(self.confidence_logits), self.vocab)
 
     def probs_over_vocabulary(self, rows: list[int], K: int, vocab_size: int) -> torch.Tensor:  # (len(rows), K, V)
         """The distributions of the first K drafts of ``rows`` over all ``vocab_size`` tokens (what rejection

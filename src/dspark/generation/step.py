@@ -238,10 +238,19 @@ def _inner_policy(policy: VerifyPolicy | ConfidenceAdapter | None) -> VerifyPoli
 
 
 def _draft_gate(policy: VerifyPolicy | ConfidenceAdapter | None):
-    """The policy that decides whether a step drafts (``AsyncTopKScheduler.should_draft``), or None. It decides
-    before any draft exists, from past steps and the request count only, so skipping the drafter is lossless."""
+    """The policy that decides whether a step drafts, and for which requests (``AsyncTopKScheduler.should_draft``,
+    ``drafting_requests``), or None. It decides before any draft exists, from past steps, the request count and the
+    requests' past acceptance only, so skipping the drafter is lossless."""
     inner = _inner_policy(policy)
-    return inner if hasattr(inner, "should_draft") else None
+    return inner if hasattr(inner, "should_draft") or hasattr(inner, "drafting_requests") else None
+
+
+def _drafting_requests(gate, requests: list[RequestState]) -> list[bool]:
+    """Which requests draft this step: the gate's per-request answer (``AsyncTopKScheduler.drafting_requests``), or
+    its one answer for the whole step (``should_draft``, told how many requests never drafted)."""
+    if hasattr(gate, "drafting_requests"):
+        return gate.drafting_requests(requests)
+    return [gate.should_draft(len(requests), sum(r.drafted_steps == 0 for r in requests))] * len(requests)
 
 
 def _most_verified(policy: VerifyPolicy | ConfidenceAdapter | None) -> int | None:
@@ -274,11 +283,20 @@ def speculative_step(
     room = [c.max_length - c.length - 1 if c.max_length is not None else cap for c in caches]
     max_tokens = [max(0, min(cap, b - 1, m)) for b, m in zip(budget, room)]
     gate = _draft_gate(policy)
-    if gate is not None and max(max_tokens, default=0) > 0 and not gate.should_draft(R):
-        max_tokens = [0] * R  # a plain step: the planner expects drafting to cost more than it brings
+    if gate is not None and max(max_tokens, default=0) > 0:
+        # requests left out verify their anchor alone: the planner expects their drafting to cost more than it brings
+        max_tokens = [n if d else 0 for n, d in zip(max_tokens, _drafting_requests(gate, requests))]
+    for req, n in zip(requests, max_tokens):
+        req.drafted_steps += n > 0
 
     t0 = time.perf_counter()
-    block = drafter.propose(requests, max_tokens) if max(max_tokens, default=0) > 0 else None
+    drafting = [r for r, n in enumerate(max_tokens) if n > 0]
+    if drafting and len(drafting) == R:
+        block = drafter.propose(requests, max_tokens)
+    elif drafting:  # only these requests draft: the drafter runs on them alone
+        block = drafter.propose([requests[r] for r in drafting], [max_tokens[r] for r in drafting]).spread(drafting, R)
+    else:
+        block = None
     t1 = time.perf_counter()
 
     if block is None:
@@ -341,9 +359,11 @@ def speculative_step(
         if block is not None and block.confidence_logits is not None:
             conf = block.confidence_logits[r, :n_prop]
         outcomes.append(StepOutcome(vl[r], acc_counted, emitted, tau, conf, n_prop))
+        if max_tokens[r] > 0:
+            req.drafted_tokens += tau
     timings = StepTimings(draft_s=t1 - t0, verify_s=t2 - t1, steps=1, verified_tokens=sum(seq_lens),
                           prefill_complete=complete)
     if gate is not None and hasattr(gate, "observe_step") and complete is None:  # prompt pieces would blur the rate
         gate.observe_step(R, block is not None, sum(o.acceptance_length for o in outcomes),
-                          time.perf_counter() - t0)
+                          time.perf_counter() - t0, sum(n > 0 for n in max_tokens))
     return outcomes, timings

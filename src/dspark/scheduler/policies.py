@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from dspark.errors import DSparkError
+from dspark.scheduler.request_gate import drafting_subset, own_acceptance
 from dspark.scheduler.sps import SPSTable
 from dspark.scheduler.step_cost import StepCostModel, as_step_cost
 
@@ -307,16 +308,19 @@ class AsyncTopKScheduler:
     (docs/serving/step-cost.md §Skipping the drafter): where the cost model prices drafting (``draft_ms``), a step
     skips the drafter and verifies its anchors only (``speculative_step``) when a plain step is expected to make
     more tokens per second. The expectation is their measured rates once ``observe_step`` has timed both kinds of
-    step at this request count (each kind's average tokens per step over its average seconds per step: the mean over
-    its first ``RATE_WINDOW`` steps, then a moving average of that window); before, the measured gain at the nearest
-    request count within a factor of 2, moved to this one as the cost model's gain moves (``_expected_gain``); with
-    nothing measured near, the cost model's, on the newest survivals, after one plain step measured at this count
-    (``_plain_unmeasured``). Every ``probe_every``-th decision starts a probe of the other kind: one plain
-    step (a plain step's rate barely moves), or ``probe_steps`` drafting steps whose mean replaces drafting's rate,
-    since drafting ran rarely and the content of the requests moves acceptance. Drafting probes come r^2 times rarer
-    where a drafting step costs r plain ones (``_probe_interval``). A drafting step right after a plain one is not
-    measured: its drafter first catches up on the context the plain steps left, a cost steady drafting spreads over
-    its steps.
+    step at this request count, drafting at least ``min_drafting_steps`` times (each kind's average tokens per step
+    over its average seconds per step: the mean over its first ``RATE_WINDOW`` steps, then a moving average of that
+    window); before, the measured gain at the nearest request count within a factor of 2, moved to this one as the
+    cost model's gain moves (``_expected_gain``); with nothing measured near, the cost model's, on the newest
+    survivals, after one plain step measured at this count (``_plain_unmeasured``). Every ``probe_every``-th
+    decision starts a probe of the other kind: one plain step (a plain step's rate barely moves), or ``probe_steps``
+    drafting steps whose mean replaces drafting's rate, since drafting ran rarely and the content of the requests
+    moves acceptance. Drafting probes come r^2 times rarer where a drafting step costs r plain ones
+    (``_probe_interval``), and 4 times sooner while most of the batch has never drafted where r <=
+    ``NEW_BATCH_MAX_RATIO``: acceptance belongs to the requests, and the window measured others (one request at a
+    time, each new prompt would otherwise inherit the last one's verdict for most of its steps). A drafting step
+    right after a plain one is not measured: its drafter first catches up on the context the plain steps left, a
+    cost steady drafting spreads over its steps.
     It reads past steps and R only, never this step's drafts, so it is lossless like the capacity.
     """
 
@@ -324,7 +328,7 @@ class AsyncTopKScheduler:
     lag: int = 2
     default_capacity: int | None = None
     probe_every: int = 32
-    probe_steps: int = 3
+    probe_steps: int = 4
     requires_confidences: ClassVar[bool] = True
     last_capacity: int | None = field(default=None, init=False)
     skipped_steps: int = field(default=0, init=False)  # steps ``should_draft`` said no to, in all
@@ -335,6 +339,8 @@ class AsyncTopKScheduler:
     _probe_kind: bool = field(default=False, init=False, repr=False)  # whether the running probe drafts
     _fresh: tuple | None = field(default=None, init=False, repr=False)  # (R, drafted) the probe measures anew
     _last_drafted: bool = field(default=False, init=False, repr=False)  # whether the last observed step drafted
+    _last_probe: bool = field(default=False, init=False, repr=False)  # whether should_draft's last answer was a probe
+    _marginal: dict = field(default_factory=dict, init=False, repr=False)  # R -> [steps, s one drafting request adds]
 
     def __post_init__(self) -> None:
         self.cost = as_step_cost(self.cost)
@@ -353,43 +359,118 @@ class AsyncTopKScheduler:
         self._history = deque(maxlen=self.lag)
 
     RATE_WINDOW: ClassVar[int] = 16  # steps of one kind the measured rate averages over
+    #: where a drafting step costs at most this many plain ones, drafting probes come 4 times sooner while most of the
+    #: batch has never drafted (``should_draft``'s ``never_drafted``)
+    NEW_BATCH_MAX_RATIO: ClassVar[float] = 1.5
+    #: in a plain step, requests without a record of their own draft (to get one) where a request committing this many
+    #: tokens per drafting step would pay for its drafting (``drafting_requests``)
+    EXPLORE_ACCEPTANCE: ClassVar[float] = 2.0
+
+    @property
+    def min_drafting_steps(self) -> int:
+        """Measured drafting steps at a request count before their rate decides there: what a drafting probe
+        measures, ``probe_steps`` - 1 (its first step catches up), 3 by default. One step commits 1 to 1 + K tokens
+        per request, so the rate of one step is mostly luck (one 1-token step once put a whole MT-Bench prompt on
+        plain steps, ``scripts/draft_gate_rates.py``)."""
+        return max(1, self.probe_steps - 1)
 
     def reset(self) -> None:
         self._history.clear()
         self.last_capacity = None
         self._since_probe = 0
         self._rates.clear()
-        self._probe_left, self._fresh, self._last_drafted = 0, None, False
+        self._marginal.clear()
+        self._probe_left, self._fresh, self._last_drafted, self._last_probe = 0, None, False, False
 
-    def should_draft(self, num_requests: int) -> bool:
-        """Whether a step of ``num_requests`` requests drafts (class doc). Always where the cost model has no
-        drafting cost or no survivals have been seen yet."""
+    def should_draft(self, num_requests: int, never_drafted: int = 0) -> bool:
+        """Whether a step of ``num_requests`` requests drafts (class doc); ``never_drafted`` of them have not drafted
+        yet (``RequestState.drafted_steps``). Always where the cost model has no drafting cost or no survivals have
+        been seen yet."""
         if self.cost.draft.is_zero or len(self._history) < self.lag or num_requests < 1:
             return True
         if self._plain_unmeasured(num_requests):
             draft = False  # a plain step is the cheap one to learn: measured first, it decides sooner
         else:
             draft = self._expected_gain(num_requests) >= 1.0
+        interval = self._probe_interval(num_requests, probe_drafts=not draft)
+        if not draft and 2 * never_drafted > num_requests and \
+                interval <= (self.probe_every - 1) * self.NEW_BATCH_MAX_RATIO ** 2:
+            interval //= 4  # most of the batch is new to drafting: the window measured other requests' acceptance
+        self._last_probe = True
         if self._probe_left > 0:  # a probe goes on with the kind it started with
             self._probe_left -= 1
             draft = self._probe_kind
-        elif self._since_probe >= self._probe_interval(num_requests, probe_drafts=not draft):
+        elif self._since_probe >= interval:
             draft = self._probe_kind = not draft  # a probe starts: the other kind of step
             self._since_probe = 0
             if draft:  # drafting probes run probe_steps steps and measure drafting anew
                 self._probe_left, self._fresh = self.probe_steps - 1, (num_requests, True)
         else:
             self._since_probe += 1
+            self._last_probe = False
         self.skipped_steps += not draft
         return draft
 
-    def observe_step(self, num_requests: int, drafted: bool, tokens: int, seconds: float) -> None:
+    def drafting_requests(self, requests: list) -> list[bool]:
+        """Which of this step's requests (``RequestState``s) draft: all where ``should_draft`` says so; none in a
+        plain probe; else those whose own past acceptance makes drafting them pay (``dspark.scheduler.request_gate``),
+        and, where a request of ``EXPLORE_ACCEPTANCE`` would pay, those without a record of their own yet
+        (``request_gate.MIN_OWN_STEPS`` drafting steps); priced by the measured plain step at this request count and
+        the measured cost of one more drafting request (``_marginal_seconds``)."""
+        R = len(requests)
+        if self.should_draft(R, sum(r.drafted_steps == 0 for r in requests)):
+            return [True] * R
+        plain = self.measured(R)[1]
+        if self._last_probe or plain is None:
+            return [False] * R
+        acceptance = [own_acceptance(r.drafted_steps, r.drafted_tokens) for r in requests]
+        marginal = self._marginal_seconds(R, plain[2])
+        chosen = drafting_subset(acceptance, plain[2], marginal)
+        if (self.EXPLORE_ACCEPTANCE - 1.0) * plain[2] > R * marginal:
+            # a request without a record of its own drafts until it has one where a typical drafting request would
+            # pay: a few steps of its drafting cost little beside never finding the requests whose drafting pays
+            chosen = [c or a is None for c, a in zip(chosen, acceptance)]
+        self.skipped_steps -= any(chosen)  # the drafter runs after all
+        return chosen
+
+    def _marginal_seconds(self, num_requests: int, plain_s: float) -> float:
+        """Seconds one more drafting request adds to a plain step of ``num_requests`` requests: measured in steps
+        where some requests drafted (at this count, else the nearest within a factor of 2); else a measured drafting
+        step's extra time over a plain one, per request (what one request costs when all draft, a floor for one
+        alone); else the cost model's step with one request drafting (verifying its share of the newest proposals)
+        over its plain step, times the measured plain step."""
+        near = [r for r in self._marginal if num_requests / 2 <= r <= 2 * num_requests]
+        if near:
+            best = min(near, key=lambda r: (abs(r - num_requests), -r))
+            return self._marginal[best][1]
+        drafted = self.measured(num_requests)[0]
+        if drafted is not None and drafted[0] >= self.min_drafting_steps:
+            return max(drafted[2] - plain_s, 0.01 * plain_s) / num_requests
+        pool, drafting = self._history[-1]
+        verified = int(round(len(pool) / max(drafting, 1)))
+        plain_ms = self.cost.step_ms(num_requests, num_requests, 0)
+        one_ms = self.cost.step_ms(num_requests + verified, num_requests, 1)
+        return max(one_ms - plain_ms, 0.0) / plain_ms * plain_s
+
+    def observe_step(self, num_requests: int, drafted: bool, tokens: int, seconds: float,
+                     num_drafting: int | None = None) -> None:
         """A finished step of ``num_requests`` requests: whether it drafted, the tokens it committed, its time.
         Kept per request count (a rate measured at another count would mix in how the step's cost grows with it).
         Tokens and seconds are averaged apart and divided only when compared: a drafting step commits 1 to 1 + K
         tokens per request, so the mean of per-step rates would swing with each step's luck (and the rarely run kind,
-        renewed by a probe every ``probe_every`` steps, would keep a lucky or unlucky value for long)."""
+        renewed by a probe every ``probe_every`` steps, would keep a lucky or unlucky value for long).
+        A step where only ``num_drafting`` < R requests drafted (``drafting_requests``) measures what one drafting
+        request adds to the plain step at this count instead."""
         if seconds <= 0 or num_requests < 1:
+            return
+        if drafted and num_drafting is not None and 0 < num_drafting < num_requests:
+            self._last_drafted = False  # the requests left out catch up at the next step where all draft
+            plain = self.measured(num_requests)[1]
+            if plain is not None:
+                entry = self._marginal.setdefault(num_requests, [0, 0.0])
+                entry[0] += 1
+                added = max((seconds - plain[2]) / num_drafting, 0.01 * plain[2])  # timing noise stays positive
+                entry[1] += (added - entry[1]) / min(entry[0], self.RATE_WINDOW)
             return
         catching_up, self._last_drafted = drafted and not self._last_drafted, bool(drafted)
         if catching_up:
@@ -410,6 +491,11 @@ class AsyncTopKScheduler:
         return tuple(None if (e := self._rates.get((num_requests, kind))) is None else (e[0], e[1], e[2])
                      for kind in (True, False))
 
+    def measured_marginal(self) -> dict[int, tuple[int, float]]:
+        """What steps where only some requests drafted measured, by request count: (steps, seconds one more drafting
+        request adds to a plain step)."""
+        return {r: (e[0], e[1]) for r, e in sorted(self._marginal.items())}
+
     def _probe_interval(self, num_requests: int, probe_drafts: bool) -> int:
         """Decisions between probes: ``probe_every`` - 1 before a plain probe; before a drafting probe that times
         r^2, r = a drafting step's time over a plain step's at this R (measured, else the cost model's drafting
@@ -428,11 +514,11 @@ class AsyncTopKScheduler:
 
     def _expected_gain(self, num_requests: int) -> float:
         """A drafting step's expected tokens per second over a plain step's at ``num_requests`` requests: measured
-        there when both kinds were; else measured at the nearest request count R' (within a factor of 2) where both
+        there when both kinds were (``_both_measured``); else measured at the nearest request count R' (within a factor of 2) where both
         were, times how the cost model's gain moves from R' to R (a level of load brings request counts that were
         never seen: the model's error at R' is taken to hold at R); else the cost model's."""
-        drafted, plain = self.measured(num_requests)
-        if drafted is not None and plain is not None:
+        if self._both_measured(num_requests):
+            drafted, plain = self.measured(num_requests)
             return (drafted[1] / drafted[2]) / (plain[1] / plain[2])
         near = self._nearest_measured(num_requests)
         if near is None:
@@ -450,11 +536,16 @@ class AsyncTopKScheduler:
         return bool(self._rates) and self.measured(num_requests)[1] is None and \
             self._nearest_measured(num_requests) is None
 
+    def _both_measured(self, num_requests: int) -> bool:
+        """Whether a plain step and ``min_drafting_steps`` drafting steps were measured at ``num_requests``."""
+        drafted, plain = self.measured(num_requests)
+        return plain is not None and drafted is not None and drafted[0] >= self.min_drafting_steps
+
     def _nearest_measured(self, num_requests: int) -> int | None:
         """The request count nearest ``num_requests`` (ties: the larger) within a factor of 2 where both kinds of
         step were measured, or None."""
-        both = {r for r, kind in self._rates if kind and (r, False) in self._rates}
-        near = [r for r in both if num_requests / 2 <= r <= 2 * num_requests]
+        near = [r for r, kind in self._rates
+                if kind and num_requests / 2 <= r <= 2 * num_requests and self._both_measured(r)]
         return min(near, key=lambda r: (abs(r - num_requests), -r)) if near else None
 
     def _model_gain(self, num_requests: int) -> float:
