@@ -320,8 +320,10 @@ class AsyncTopKScheduler:
     ``NEW_BATCH_MAX_RATIO``: acceptance belongs to the requests, and the window measured others (one request at a
     time, each new prompt would otherwise inherit the last one's verdict for most of its steps). A drafting step
     right after a plain one is not measured: its drafter first catches up on the context the plain steps left, a
-    cost steady drafting spreads over its steps.
-    It reads past steps and R only, never this step's drafts, so it is lossless like the capacity.
+    cost steady drafting spreads over its steps. In a step it skips, ``drafting_requests`` still lets the requests
+    whose own past acceptance pays for their drafting draft (docs/serving/step-cost.md §Drafting some requests).
+    It reads past steps, R and the requests' past acceptance only, never this step's drafts, so it is lossless like
+    the capacity.
     """
 
     cost: StepCostModel | SPSTable
@@ -331,7 +333,7 @@ class AsyncTopKScheduler:
     probe_steps: int = 4
     requires_confidences: ClassVar[bool] = True
     last_capacity: int | None = field(default=None, init=False)
-    skipped_steps: int = field(default=0, init=False)  # steps ``should_draft`` said no to, in all
+    skipped_steps: int = field(default=0, init=False)  # steps whose drafter ran for no request, in all
     _history: deque = field(init=False, repr=False)  # (sorted positive survivals (M',), drafting requests R_d)
     _since_probe: int = field(default=0, init=False, repr=False)  # decisions since the last probe started
     _rates: dict = field(default_factory=dict, init=False, repr=False)  # (R, drafted) -> [steps, tokens, seconds]
