@@ -38,23 +38,33 @@ def main() -> None:
         raise SystemExit(f"draft_gate_rates.py: {e}")
 
 
-def run(args: argparse.Namespace) -> None:
+def load_reference(drafter_path: str, threads: int):
+    """SmolLM2-135M in bf16 on ``threads`` threads, the drafter at ``drafter_path`` and its STS temperatures (None
+    without an ``sts.json``): (target, drafter, sts). ``scripts/policy_rates.py`` loads the same way."""
     import torch
 
     from dspark.cli_options import drafting_options
-    from dspark.data.eval_sets import load_eval_dataset
     from dspark.drafters.registry import load_drafter
+    from dspark.target.loading import load_decoding_target
+
+    torch.set_num_threads(threads)
+    target = load_decoding_target("smollm2-135m", "cpu", "bfloat16", False, True)
+    drafter = load_drafter(drafter_path, target, drafting_options(argparse.Namespace(), hybrid=False))
+    sts_path = Path(drafter_path) / "sts.json"
+    sts = json.loads(sts_path.read_text())["temperatures"] if sts_path.is_file() else None
+    return target, drafter, sts
+
+
+def run(args: argparse.Namespace) -> None:
+    import torch
+
+    from dspark.data.eval_sets import load_eval_dataset
     from dspark.generation.generator import SpeculativeGenerator
     from dspark.generation.step_profile import load_or_profile_cost
     from dspark.sampling.processing import SamplingParams
     from dspark.scheduler.adapter import make_policy
-    from dspark.target.loading import load_decoding_target
 
-    torch.set_num_threads(args.threads)
-    target = load_decoding_target("smollm2-135m", "cpu", "bfloat16", False, True)
-    drafter = load_drafter(args.drafter, target, drafting_options(argparse.Namespace(), hybrid=False))
-    sts_path = Path(args.drafter) / "sts.json"
-    sts = json.loads(sts_path.read_text())["temperatures"] if sts_path.is_file() else None
+    target, drafter, sts = load_reference(args.drafter, args.threads)
     adapter = make_policy("async", load_or_profile_cost(None, target, drafter, 1), sts)
     gate = adapter.policy
     gen = SpeculativeGenerator(target, drafter, policy=adapter)

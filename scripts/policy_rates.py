@@ -13,9 +13,7 @@ The reference drafter with its STS, SmolLM2-135M in bf16, one thread. Timings: r
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 
 SETS = ("gsm8k", "mt-bench", "arena-hard-v2", "humaneval")
 POLICIES = ("plain", "fixed:1", "all", "async")
@@ -43,21 +41,15 @@ def main() -> None:
 
 def run(args: argparse.Namespace) -> None:
     import torch
+    from draft_gate_rates import load_reference  # the sibling script (this folder is on sys.path when run)
 
-    from dspark.cli_options import drafting_options
     from dspark.data.eval_sets import load_eval_dataset
-    from dspark.drafters.registry import load_drafter
     from dspark.generation.generator import SpeculativeGenerator
     from dspark.generation.step_profile import load_or_profile_cost
     from dspark.sampling.processing import SamplingParams
     from dspark.scheduler.adapter import make_policy
-    from dspark.target.loading import load_decoding_target
 
-    torch.set_num_threads(args.threads)
-    target = load_decoding_target("smollm2-135m", "cpu", "bfloat16", False, True)
-    drafter = load_drafter(args.drafter, target, drafting_options(argparse.Namespace(), hybrid=False))
-    sts_path = Path(args.drafter) / "sts.json"
-    sts = json.loads(sts_path.read_text())["temperatures"] if sts_path.is_file() else None
+    target, drafter, sts = load_reference(args.drafter, args.threads)
     total = args.requests * args.batches
     per_set = -(-total // len(SETS))
     samples = {name: load_eval_dataset(name, limit=per_set).samples for name in SETS}
