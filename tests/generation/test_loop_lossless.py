@@ -287,6 +287,34 @@ def test_steps_where_some_requests_draft_keep_the_target_law(lossy, monkeypatch)
     assert int(torch.cat(policy.lengths).sum()) > 0
 
 
+class BoundedDrafts(PerGroup):
+    """A gate with ``AsyncTopKScheduler.draft_bound``'s hook: every third step its requests propose one draft, the
+    others two, decided from the step count alone (the real bound reads past steps only)."""
+
+    def __init__(self) -> None:
+        super().__init__(lambda: FixedLength(2), 1)
+        self.bounds: list[int] = []
+
+    def draft_bound(self, num_requests: int, num_drafting: int) -> int:
+        self.bounds.append(1 if len(self.bounds) % 3 == 0 else 2)
+        return self.bounds[-1]
+
+
+def test_steps_whose_drafts_are_bounded_by_past_steps_keep_the_target_law():
+    """Drafts deeper than the bound are never proposed (the drafter drafts fewer positions); the joint law of the
+    2nd and 3rd tokens holds."""
+    target = _target()
+    policy = BoundedDrafts()
+    out = _generate(target, _drafter(target), T1, ConfidenceAdapter(policy, sts_temperatures=STS))
+    fit = goodness_of_fit(pair_samples(out, V), drafted_pair_law(target, PROMPT, T1))
+    assert fit.passes, fit
+    lengths = torch.cat(policy.lengths)
+    assert 1 in policy.bounds and 2 in policy.bounds and int(lengths.max()) == 2  # both kinds of step ran
+    # a step bounded to one draft verified at most one (its block was one draft wide)
+    ones = [length for b, length in zip(policy.bounds, policy.lengths) if b == 1]
+    assert ones and all(int(length.max()) <= 1 for length in ones)
+
+
 # ------------------------------------------------------------------ draft vocabulary
 DRAFT_VOCAB = [0, 2, 3, 5]  # the drafter samples among 4 of the 6 tokens; its draft_probs are over these
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dspark.errors import BadFileError
-from dspark.scheduler.sps import UNLIMITED_BATCH_TOKENS, SPSTable, profile_sps
+from dspark.scheduler.sps import UNLIMITED_BATCH_TOKENS, SPSTable, linear_between, profile_sps
 
 TABLE = SPSTable((1, 8, 16), (50.0, 40.0, 25.0), 24)
 
@@ -30,6 +30,29 @@ def test_reads_a_table_written_by_sglang() -> None:
     assert table.sample_batch_tokens == (8, 16, 32)
     assert table.sample_steps_per_sec == (61.5, 60.0, 41.25)
     assert table.max_batch_tokens == 64
+
+
+def test_linear_between_fills_every_count_and_keeps_the_measured_points() -> None:
+    grid, values = linear_between((2, 4, 8), (10.0, 20.0, 0.5))
+    assert grid == (2, 3, 4, 5, 6, 7, 8)
+    # a slow reference: the value on the segment between the measured neighbours
+    expected = [10.0, 15.0, 20.0] + [20.0 + (0.5 - 20.0) * (x - 4) / 4 for x in (5, 6, 7)] + [0.5]
+    assert values == pytest.approx(expected, abs=1e-12)
+    assert (values[0], values[2], values[6]) == (10.0, 20.0, 0.5)  # exactly as measured
+    assert linear_between((3,), (1.5,)) == ((3,), (1.5,))
+    with pytest.raises(ValueError, match="increasing"):
+        linear_between((4, 2), (1.0, 2.0))
+
+
+def test_filled_table_is_linear_in_step_time_between_samples() -> None:
+    table = SPSTable((1, 8, 16), (50.0, 40.0, 25.0), 24).filled()
+    assert table.sample_batch_tokens == tuple(range(1, 17)) and table.max_batch_tokens == 24
+    for b in (1, 8, 16):
+        assert table.sps(b) == TABLE.sps(b)
+    # 12 batch tokens: halfway between 1/40 s and 1/25 s (step time, not steps per second, is linear)
+    assert table.sps(12) == pytest.approx(1.0 / (0.5 / 40.0 + 0.5 / 25.0))
+    assert all(a >= b for a, b in zip(table.sample_steps_per_sec, table.sample_steps_per_sec[1:]))
+    assert table.sps(20) == table.sps(16) and table.sps(25) == 0.0  # floor step beyond the last, 0 past capacity
 
 
 def test_save_and_load(tmp_path) -> None:

@@ -74,6 +74,51 @@ def test_bad_step_cost_files_are_refused(tmp_path, change, message) -> None:
         StepCostModel.load(tmp_path / "missing.json")
 
 
+def test_host_work_is_priced_by_the_batch_s_share_of_greedy_requests(tmp_path) -> None:
+    model = StepCostModel(CostCurve((4, 8), (10.0, 14.0)), 12, CostCurve((1, 2), (3.0, 5.0)),
+                          CostCurve((1, 2), (8.0, 20.0)), {}, CostCurve((1, 2), (2.0, 4.0)))
+    assert model.for_batch(0.0).host == model.host and model.for_batch(0.0).host_greedy is None
+    assert model.for_batch(1.0).host.ms == (2.0, 4.0)
+    assert model.for_batch(0.25).step_ms(8, 2, 2) == pytest.approx(14.0 + 5.0 + 0.75 * 20.0 + 0.25 * 4.0)
+    path = tmp_path / "cost.json"
+    model.save(path)
+    assert StepCostModel.load(path) == model and json.loads(path.read_text())["host_greedy"]["ms"] == [2.0, 4.0]
+    plain = StepCostModel(model.verify, 12, model.draft, model.host)
+    assert plain.for_batch(1.0) is plain and "host_greedy" not in plain.to_dict()
+    with pytest.raises(ValueError, match="grid"):
+        StepCostModel(model.verify, 12, model.draft, model.host, {}, CostCurve((1, 3), (2.0, 4.0)))
+    data = model.to_dict()
+    del data["host"]
+    with pytest.raises(ValueError, match="needs host"):
+        StepCostModel.from_dict(data)
+
+
+def test_async_plans_a_greedy_batch_on_its_cheaper_host_work() -> None:
+    # host work is a large fixed part of a sampled step (60 ms), a small one of a greedy step (1 ms): with it the
+    # planner verifies more drafts (each costs little beside the fixed part); a greedy batch gets fewer
+    cost = StepCostModel(linear_verify(64, 10.0, 2.0), 64, CostCurve((1,), (4.0,)), CostCurve((1, 2), (30.0, 60.0)),
+                         {}, CostCurve((1, 2), (0.5, 1.0)))
+    c = conf([[0.6, 0.4, 0.3, 0.3, 0.3, 0.3, 0.3], [0.5, 0.4, 0.3, 0.3, 0.2, 0.2, 0.2]])
+    policy = AsyncTopKScheduler(cost, lag=1)
+    policy.choose(c, counts([7, 7]))
+    sampled = policy.capacity(2, 2)
+    policy.greedy_share = 1.0
+    greedy = policy.capacity(2, 2)
+    assert greedy < sampled
+    # the same as planning on a model whose host work is the greedy curve
+    alone = AsyncTopKScheduler(StepCostModel(cost.verify, 64, cost.draft, cost.host_greedy), lag=1)
+    alone.choose(c, counts([7, 7]))
+    assert alone.capacity(2, 2) == greedy
+
+
+def test_a_filled_curve_is_linear_between_measured_counts() -> None:
+    draft = CostCurve((1, 2, 4, 8), (3.0, 4.0, 6.0, 14.0)).filled()
+    assert draft.grid == tuple(range(1, 9))
+    assert [draft.at(r) for r in range(1, 10)] == pytest.approx([3.0, 4.0, 5.0, 6.0, 8.0, 10.0, 12.0, 14.0, 14.0])
+    verify = CostCurve((4, 8), (10.0, 14.0), positive=True).filled()
+    assert verify.positive and verify.at(1) == 10.0 and verify.at(6) == pytest.approx(12.0)
+
+
 def test_plain_sps_file_loads_as_a_verify_only_model(tmp_path) -> None:
     table = SPSTable((8, 16, 24), (50.0, 40.0, 25.0), 32)
     path = tmp_path / "sps.json"
@@ -258,6 +303,62 @@ def test_async_drafts_only_where_drafting_beats_a_plain_step() -> None:
     table = AsyncTopKScheduler(StepCostModel(linear_verify(64, 10.0, 2.0), 64), lag=1)
     table.choose(GATE_C, GATE_N)
     assert table.should_draft(1)
+
+
+def test_the_draft_bound_is_one_past_the_deepest_draft_the_capacity_admits() -> None:
+    cost = StepCostModel(linear_verify(64, 10.0, 2.0), 64, CostCurve((1,), (4.0,)))
+    policy = AsyncTopKScheduler(cost, lag=2)
+    c = conf([[0.95, 0.9, 0.9, 0.5, 0.3, 0.2, 0.1], [0.6, 0.5, 0.3, 0.3, 0.3, 0.3, 0.3]])
+    n = counts([7, 7])
+    assert policy.draft_bound(2, 2) is None  # no lagged pool yet: no bound
+    policy.choose(c, n)
+    assert policy.draft_bound(2, 2) is None
+    policy.choose(c, n)
+    # slow reference: K* by brute force over the lagged pool's prefixes, then the deepest of those entries
+    survival = c.cumprod(1).flatten().tolist()  # request 0's positions 0..6, then request 1's
+    entries = sorted(((a, j % 7, j // 7) for j, a in enumerate(survival)), key=lambda e: (-e[0], e[1], e[2]))
+    rates = [(2 + sum(a for a, _, _ in entries[:b])) / (10.0 + 2.0 * (2 + b) + 4.0) for b in range(15)]
+    best = max(range(15), key=lambda b: (rates[b], -b))
+    assert policy.capacity(2, 2) == best and 0 < best < 14
+    assert policy.draft_bound(2, 2) == max(j for _, j, _ in entries[:best]) + 2
+    # a capacity of 0 still drafts one position: the survivals that could raise it keep coming
+    stingy = AsyncTopKScheduler(StepCostModel(linear_verify(64, 1.0, 50.0), 64), lag=1)
+    stingy.choose(c, n)
+    assert stingy.capacity(2, 2) == 0 and stingy.draft_bound(2, 2) == 1
+    stingy.reset()
+    assert stingy.draft_bound(2, 2) is None
+
+
+def test_a_step_proposes_no_deeper_than_the_draft_bound() -> None:
+    from dspark.generation.step import prefill, speculative_step
+    from dspark.scheduler.adapter import ConfidenceAdapter
+    from tests.drafters.tiny_drafters import tiny_dspark
+    from dspark.drafters.dspark.drafter import DSparkDrafter
+    from tests.tiny import tiny_target
+
+    target = tiny_target()
+    drafter = DSparkDrafter(tiny_dspark(target))
+    asked = []
+    propose = drafter.propose
+    drafter.propose = lambda requests, max_tokens: asked.append(list(max_tokens)) or propose(requests, max_tokens)
+    policy = AsyncTopKScheduler(StepCostModel(linear_verify(64, 10.0, 30.0), 64), lag=1)
+    params = SamplingParams(temperature=1.0, max_new_tokens=40, seed=0)
+    states = [RequestState(f"r{i}", 4, [3, 4, 5, 6 + i], params, params.make_generator()) for i in range(2)]
+    caches = [target.new_cache(64) for _ in states]
+    prefill(target, states, caches, drafter.target_layer_ids)
+    adapter = ConfidenceAdapter(policy)
+    bounds = []
+    for _ in range(6):
+        bounds.append(policy.draft_bound(2, 2))
+        speculative_step(target, drafter, states, caches, adapter)
+    assert bounds[0] is None and asked[0] == [drafter.block_size] * 2  # no past step: every draft
+    assert any(b < drafter.block_size for b in bounds[1:]), bounds  # the bound did cut
+    for bound, sizes in zip(bounds[1:], asked[1:]):
+        assert sizes == [min(bound, drafter.block_size)] * 2
+    assert policy.greedy_share == 0.0  # the step told the planner its batch's sampling: none greedy
+    states[0].sampling = SamplingParams(temperature=0.0, max_new_tokens=40)
+    speculative_step(target, drafter, states, caches, adapter)
+    assert policy.greedy_share == 0.5
 
 
 def test_the_gate_scales_the_survivals_to_the_step_s_requests() -> None:

@@ -16,8 +16,11 @@ from dspark.sampling.processing import SamplingParams
 from tests.tiny import save_hf_folder, tiny_config, tiny_target
 
 
-def test_grid_is_sglang_style_or_dense():
-    assert batch_token_grid(7, 3) == [8, 16, 24]
+def test_grid_times_one_request_densely_then_sglang_points():
+    # every count of one request (anchor + 0..gamma drafts), then R x (gamma + 1) at R = 2, 3, 4, 6, 8, 12, ...
+    assert batch_token_grid(7, 3) == [1, 2, 3, 4, 5, 6, 7, 8, 16, 24]
+    assert batch_token_grid(1, 40) == [1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 80]  # and max_requests
+    assert batch_token_grid(7, 1) == list(range(1, 9))
     assert batch_token_grid(3, 2, dense=True) == list(range(1, 9))
     with pytest.raises(ValueError):
         batch_token_grid(7, 0)
@@ -27,12 +30,13 @@ def test_profile_target_builds_a_table_and_keeps_contexts():
     target = tiny_target()
     calls = _spy_verify_passes(target)
     table = profile_target(target, block_size=3, max_requests=3, context_len=16, repeats=2, warmup=1)
-    assert table.sample_batch_tokens == (4, 8, 12) and table.max_batch_tokens == 12
+    # timed at 1, 2, 3, 4, 8, 12 batch tokens; the table holds every count (linear between: SPSTable.filled)
+    assert table.sample_batch_tokens == tuple(range(1, 13)) and table.max_batch_tokens == 12
     assert all(s > 0 for s in table.sample_steps_per_sec)
-    # 3 grid points x (1 warm-up + 2 timed) verify passes, R requests x (gamma + 1) tokens each,
+    # 6 grid points x (1 warm-up + 2 timed) verify passes of ceil(B / (gamma + 1)) requests (the last one shorter),
     # always against caches holding exactly the context (rolled back after every pass)
-    assert len(calls) == 9
-    assert all(lens == [4] * len(lens) and starts == [16] * len(lens) for lens, starts in calls)
+    assert [sum(lens) for lens, _ in calls] == [b for b in (1, 2, 3, 4, 8, 12) for _ in range(3)]
+    assert all(lens[:-1] == [4] * (len(lens) - 1) and starts == [16] * len(lens) for lens, starts in calls)
     dense = profile_target(target, block_size=3, max_requests=2, context_len=8, repeats=1, warmup=0, dense=True)
     assert dense.sample_batch_tokens == tuple(range(1, 9))
     with pytest.raises(ValueError, match="context"):
@@ -50,13 +54,13 @@ def test_prefill_profile_times_one_request_chunk_with_last_token_logits():
 
     target.forward = spy
     table = profile_target(target, block_size=7, max_requests=3, context_len=0, repeats=2, warmup=1, prefill=True)
-    assert table.sample_batch_tokens == (8, 16, 24)
+    assert table.sample_batch_tokens == tuple(range(1, 25))
     # one request per pass, B tokens into a cache rolled back to the context (empty here), last-token logits
-    assert [c[0] for c in calls] == [[8]] * 3 + [[16]] * 3 + [[24]] * 3
+    assert [c[0] for c in calls] == [[b] for b in (1, 2, 3, 4, 5, 6, 7, 8, 16, 24) for _ in range(3)]
     assert all(starts == [0] and logits == "last" for _, starts, logits in calls)
     calls.clear()
     profile_target(target, block_size=7, max_requests=1, context_len=16, repeats=1, warmup=0, prefill=True)
-    assert calls[0][2] == "none" and calls[1] == ([8], [16], "last")  # the context, then a chunk after it
+    assert calls[0][2] == "none" and calls[1] == ([1], [16], "last")  # the context, then a chunk after it
     with pytest.raises(ValueError, match="context"):
         profile_target(target, block_size=7, max_requests=1, context_len=0, repeats=1)  # verify needs context
 
@@ -69,13 +73,13 @@ def test_profile_cli_writes_sglang_json_and_engine_uses_it(tmp_path):
     assert rc == 0
     data = json.loads(out.read_text())
     assert set(data) == {"sample_batch_tokens", "sample_steps_per_sec", "max_batch_tokens"}
-    assert data["sample_batch_tokens"] == [4, 8]
+    assert data["sample_batch_tokens"] == list(range(1, 9))
     table = load_or_profile(out, tiny_target(), 3, 2)
     assert table == SPSTable.load(out)
 
     target = tiny_target()
     quick = load_or_profile(None, target, 3, 2, context_len=8, repeats=1, log=lambda *_: None)
-    assert quick.sample_batch_tokens == (4, 8)
+    assert quick.sample_batch_tokens == tuple(range(1, 9))
     with Engine(target, None, make_policy("alg1", quick)) as engine:
         assert engine.generate([3, 4, 5], SamplingParams(0.0, max_new_tokens=4), timeout=30)
 
@@ -106,14 +110,14 @@ def test_step_cost_profile_times_real_steps_that_verify_every_draft(kind):
     drafter = PromptLookupDrafter(target.vocab_size, 3) if kind == "prompt-lookup" else DSparkDrafter(tiny_dspark(target))
     calls = _spy_verify_passes(target)
     model = profile_step_cost(target, drafter, 3, max_requests=3, context_len=20, repeats=2, warmup=1)
-    assert model.verify.grid == (4, 8, 12) and model.max_batch_tokens == 12
-    assert model.draft.grid == model.host.grid == (1, 2, 3)
-    assert all(t >= 0 for t in model.draft.ms + model.host.ms) and not model.draft.is_zero
+    assert model.verify.grid == tuple(range(1, 13)) and model.max_batch_tokens == 12
+    assert model.draft.grid == model.host.grid == model.host_greedy.grid == (1, 2, 3)
+    assert all(t >= 0 for t in model.draft.ms + model.host.ms + model.host_greedy.ms) and not model.draft.is_zero
     assert model.profile == {"threads": model.profile["threads"], "dtype": "float32", "device": "cpu",
                              "block_size": 3, "context_len": 20, "repeats": 2, "target": "tiny",
                              "source": "dspark profile"}
-    steps = calls[-9:]  # the engine steps: R = 1, 2, 3, each 1 warm-up + 2 timed
-    assert [len(lens) for lens, _ in steps] == [1] * 3 + [2] * 3 + [3] * 3
+    steps = calls[-18:]  # the engine steps: R = 1, 2, 3, sampled then greedy, each 1 warm-up + 2 timed
+    assert [len(lens) for lens, _ in steps] == [1] * 6 + [2] * 6 + [3] * 6
     # every step drafts and verifies gamma tokens per request, from the same rolled-back context
     assert all(lens == [4] * len(lens) and starts == [20] * len(starts) for lens, starts in steps)
 
@@ -124,8 +128,8 @@ def test_step_cost_profile_without_drafter_is_plain_decoding():
     target = tiny_target()
     calls = _spy_verify_passes(target)
     model = profile_step_cost(target, None, 3, max_requests=2, context_len=8, repeats=1, warmup=0)
-    assert [lens for lens, _ in calls[-2:]] == [[1], [1, 1]]  # nothing drafted: the anchors alone
-    assert model.verify.grid == (4, 8)
+    assert [lens for lens, _ in calls[-4:]] == [[1], [1], [1, 1], [1, 1]]  # nothing drafted: the anchors alone
+    assert model.verify.grid == tuple(range(1, 9))
 
 
 def test_profile_cli_writes_the_step_cost_model_and_serving_plans_on_it(tmp_path, capsys):

@@ -13,13 +13,15 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "profile", aliases=["profile-sps"],
         help="profile target steps/s against batch tokens (the SPS table of the hardware-aware scheduler)",
-        description="Times target.forward over flattened batches of R requests x (block size + 1) tokens "
-        "against warm KV caches of --context-len tokens, R = 1..--max-requests, and writes the SGLang-format "
-        "SPS JSON (sample_batch_tokens, sample_steps_per_sec, max_batch_tokens). With --step-cost FILE it also "
-        "times real engine steps of R = 1..--max-requests requests with --drafter (default none) verifying every "
-        "draft, and writes the whole-step cost model (verify ms by batch tokens, drafting ms by drafting requests, "
-        "host ms by requests; docs/serving/step-cost.md), which --sps-table of `dspark serve` and `dspark bench "
-        "serve` accept and alg1/async plan on. "
+        description="Times target.forward over flattened batches of B tokens against warm KV caches of "
+        "--context-len tokens: every B up to block size + 1 (one request), then R x (block size + 1) for R = 2, 3, "
+        "4, 6, 8, 12, ... and --max-requests, and writes the SGLang-format SPS JSON (sample_batch_tokens, "
+        "sample_steps_per_sec, max_batch_tokens) with every B up to the largest, the step time linear between the "
+        "timed ones. With --step-cost FILE it also times real engine steps of R = 1..--max-requests requests with "
+        "--drafter (default none) verifying every draft, and writes the whole-step cost model (verify ms by batch "
+        "tokens, drafting ms by drafting requests, host ms by requests with sampled and with greedy requests; "
+        "docs/serving/step-cost.md), which --sps-table of `dspark serve` and `dspark bench serve` accept and "
+        "alg1/async plan on. "
         "Example: dspark profile --target smollm2-135m --drafter prompt-lookup --block-size 7 --max-requests 16 "
         "--context-len 256 --out sps.json --step-cost step_cost.json",
     )
@@ -32,10 +34,11 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=int, default=5, help="timed passes per grid point (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=1, help="untimed passes per grid point (default: %(default)s)")
     p.add_argument("--dense", action="store_true",
-                   help="time every batch-token count, not only multiples of block size + 1")
+                   help="time every batch-token count up to --max-requests x (block size + 1), not only the "
+                   "grid above (a longer profile)")
     p.add_argument("--prefill", action="store_true",
                    help="time prefill passes instead (the table `dspark simulate --prefill-sps-table` reads): one "
-                   "request's chunk of B = R x (block size + 1) tokens after --context-len cached ones (0 allowed), "
+                   "request's chunk of B tokens (the same grid) after --context-len cached ones (0 allowed), "
                    "last-token logits only, as the serving engine prefills; e.g. --prefill --block-size 63 "
                    "--max-requests 8 --context-len 0 times chunks of 64..512 tokens")
     p.add_argument("--drafter", default=None,
@@ -82,6 +85,7 @@ def _profile(args: argparse.Namespace) -> int:
         model.save(args.step_cost)
         print(f"wrote {args.step_cost}")
         for r in model.draft.grid:
-            print(f"  {r:>3} requests: drafting {model.draft.at(r):8.2f} ms, host {model.host.at(r):7.2f} ms, "
+            greedy = f" ({model.host_greedy.at(r):6.2f} greedy)" if model.host_greedy is not None else ""
+            print(f"  {r:>3} requests: drafting {model.draft.at(r):8.2f} ms, host {model.host.at(r):7.2f} ms{greedy}, "
                   f"verify of {r * (args.block_size + 1)} tokens {model.verify.at(r * (args.block_size + 1)):8.2f} ms")
     return 0

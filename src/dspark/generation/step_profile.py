@@ -7,6 +7,7 @@ and not in the scheduler (which the step imports).
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from pathlib import Path
@@ -46,13 +47,15 @@ def profile_step_cost(
       over R requests whose contexts (``context_len`` tokens, a short random segment repeated so that
       prompt lookup finds matches) were prefilled once. A step's drafting time is its ``drafter.propose``
       call; its host time is the step's wall time less drafting and less the target's forward pass (timed
-      around ``target.forward``), i.e. sampling, rejection sampling, commits and the loop's bookkeeping. The
+      around ``target.forward``), i.e. sampling, rejection sampling, commits and the loop's bookkeeping, timed
+      twice: with sampled requests (temperature 1: ``host``) and with the same requests greedy (``host_greedy``). The
       medians of ``repeats`` steps after ``warmup`` untimed ones; every request is rolled back to its
       context after each step, so each step sees the same state.
 
     gamma = ``block_size`` (default the drafter's, at least 1). The ``profile`` entries are stored with it.
     ``requests``: the request counts drafting and host work are timed at (default every R up to
-    ``max_requests``; the curves are floor steps between them).
+    ``max_requests``); the curves hold every count from the first to the last, linear between the timed ones
+    (``CostCurve.filled``), as the verify curve does between its timed batch sizes (``profile_target``).
     """
     grid = sorted(set(requests)) if requests else list(range(1, max_requests + 1))
     if grid[0] < 1 or grid[-1] > max_requests:
@@ -75,33 +78,42 @@ def profile_step_cost(
         forward_s.append(time.perf_counter() - start)
         return out
 
-    draft_ms, host_ms = [], []
+    sampled = [s.sampling for s in states]
+    greedy = [dataclasses.replace(p, temperature=0.0) for p in sampled]
+    draft_ms, host_ms, host_greedy_ms = [], [], []
     target.forward = timed_forward
     try:
         for R in grid:
-            drafts, hosts = [], []
-            for i in range(warmup + repeats):
-                forward_s.clear()
-                start = time.perf_counter()
-                _, timings = speculative_step(target, drafter, states[:R], caches[:R], None, gamma)
-                synchronize(device)
-                total = time.perf_counter() - start
-                if i >= warmup:
-                    drafts.append(timings.draft_s)
-                    hosts.append(max(total - timings.draft_s - sum(forward_s), 0.0))
-                for state, cache, (tokens, features) in zip(states[:R], caches[:R], snapshots[:R]):
-                    _rewind(state, cache, tokens, features)
-            draft_ms.append(1000.0 * statistics.median(drafts))
-            host_ms.append(1000.0 * statistics.median(hosts))
+            for kind, host_out in ((sampled, host_ms), (greedy, host_greedy_ms)):
+                for state, params in zip(states, kind):
+                    state.sampling = params
+                drafts, hosts = [], []
+                for i in range(warmup + repeats):
+                    forward_s.clear()
+                    start = time.perf_counter()
+                    _, timings = speculative_step(target, drafter, states[:R], caches[:R], None, gamma)
+                    synchronize(device)
+                    total = time.perf_counter() - start
+                    if i >= warmup:
+                        drafts.append(timings.draft_s)
+                        hosts.append(max(total - timings.draft_s - sum(forward_s), 0.0))
+                    for state, cache, (tokens, features) in zip(states[:R], caches[:R], snapshots[:R]):
+                        _rewind(state, cache, tokens, features)
+                if kind is sampled:
+                    draft_ms.append(1000.0 * statistics.median(drafts))
+                host_out.append(1000.0 * statistics.median(hosts))
     finally:
         del target.forward  # the instance attribute; the class's method again
+        for state, params in zip(states, sampled):
+            state.sampling = params
     meta = {"threads": torch.get_num_threads(), "dtype": str(next(target.model.parameters()).dtype).removeprefix(
         "torch."), "device": str(device), "block_size": gamma, "context_len": context_len, "repeats": repeats,
         "target": target.name, "source": "dspark profile"}
     meta.update(profile or {})
     model = StepCostModel.from_sps_table(verify, meta)
-    return StepCostModel(model.verify, model.max_batch_tokens, CostCurve(tuple(grid), tuple(draft_ms)),
-                         CostCurve(tuple(grid), tuple(host_ms)), meta)
+    return StepCostModel(model.verify, model.max_batch_tokens, CostCurve(tuple(grid), tuple(draft_ms)).filled(),
+                         CostCurve(tuple(grid), tuple(host_ms)).filled(), meta,
+                         CostCurve(tuple(grid), tuple(host_greedy_ms)).filled())
 
 
 def _profile_requests(target: TargetModel, drafter: Drafter, gamma: int, count: int, context_len: int,

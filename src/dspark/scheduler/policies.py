@@ -23,6 +23,7 @@ and exists for tests and ablations only.
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol, runtime_checkable
@@ -157,6 +158,11 @@ def _theta_curve(sorted_a: np.ndarray, num_requests: int, cost: StepCostModel, n
         tau = num_requests + weight * np.concatenate([[0.0], sorted_a]).cumsum()  # (M + 1,)
         batch_tokens = num_requests + np.rint(weight * np.arange(tau.size)).astype(np.int64)
     return cost.throughput_array(tau, batch_tokens, num_requests, num_drafting)
+
+
+@functools.lru_cache(maxsize=256)
+def _for_batch(cost: StepCostModel, greedy_64ths: int) -> StepCostModel:
+    return cost.for_batch(greedy_64ths / 64)
 
 
 def _num_drafting(num_candidates: np.ndarray) -> int:
@@ -323,7 +329,9 @@ class AsyncTopKScheduler:
     cost steady drafting spreads over its steps. In a step it skips, ``drafting_requests`` still lets the requests
     whose own past acceptance pays for their drafting draft (docs/serving/step-cost.md §Drafting some requests).
     It reads past steps, R and the requests' past acceptance only, never this step's drafts, so it is lossless like
-    the capacity.
+    the capacity. ``draft_bound`` caps how deep a request drafts from the same lagged capacity, and host work is
+    priced by the batch's share of greedy requests (``greedy_share``, set by the step;
+    docs/serving/step-cost.md §What the profile times, and how the planner reads it).
     """
 
     cost: StepCostModel | SPSTable
@@ -335,6 +343,7 @@ class AsyncTopKScheduler:
     last_capacity: int | None = field(default=None, init=False)
     skipped_steps: int = field(default=0, init=False)  # steps whose drafter ran for no request, in all
     _history: deque = field(init=False, repr=False)  # (sorted positive survivals (M',), drafting requests R_d)
+    _depths: deque = field(init=False, repr=False)  # (M',) 0-based draft position of each entry of _history's pool
     _since_probe: int = field(default=0, init=False, repr=False)  # decisions since the last probe started
     _rates: dict = field(default_factory=dict, init=False, repr=False)  # (R, drafted) -> [steps, tokens, seconds]
     _probe_left: int = field(default=0, init=False, repr=False)  # steps of the running probe still to come
@@ -343,6 +352,9 @@ class AsyncTopKScheduler:
     _last_drafted: bool = field(default=False, init=False, repr=False)  # whether the last observed step drafted
     _last_probe: bool = field(default=False, init=False, repr=False)  # whether should_draft's last answer was a probe
     _marginal: dict = field(default_factory=dict, init=False, repr=False)  # R -> [steps, s one drafting request adds]
+    #: share of greedy requests in the current batch (the step sets it before drafting): host work is priced with it
+    #: (``StepCostModel.for_batch``); 0 = every request sampled, as ``host`` was timed
+    greedy_share: float = field(default=0.0, init=False)
 
     def __post_init__(self) -> None:
         self.cost = as_step_cost(self.cost)
@@ -359,6 +371,7 @@ class AsyncTopKScheduler:
             raise ValueError(f"probe_steps must be >= 1 and below probe_every ({self.probe_every}), "
                              f"got {self.probe_steps}")
         self._history = deque(maxlen=self.lag)
+        self._depths = deque(maxlen=self.lag)
 
     RATE_WINDOW: ClassVar[int] = 16  # steps of one kind the measured rate averages over
     #: where a drafting step costs at most this many plain ones, drafting probes come 4 times sooner while most of the
@@ -367,6 +380,11 @@ class AsyncTopKScheduler:
     #: in a plain step, requests without a record of their own draft (to get one) where a request committing this many
     #: tokens per drafting step would pay for its drafting (``drafting_requests``)
     EXPLORE_ACCEPTANCE: ClassVar[float] = 2.0
+
+    @property
+    def _batch_cost(self) -> StepCostModel:
+        """The cost model priced for this batch's sampling (``greedy_share``), in 1/64 steps of the share."""
+        return _for_batch(self.cost, round(self.greedy_share * 64))
 
     @property
     def min_drafting_steps(self) -> int:
@@ -378,6 +396,7 @@ class AsyncTopKScheduler:
 
     def reset(self) -> None:
         self._history.clear()
+        self._depths.clear()
         self.last_capacity = None
         self._since_probe = 0
         self._rates.clear()
@@ -450,8 +469,8 @@ class AsyncTopKScheduler:
             return max(drafted[2] - plain_s, 0.01 * plain_s) / num_requests
         pool, drafting = self._history[-1]
         verified = int(round(len(pool) / max(drafting, 1)))
-        plain_ms = self.cost.step_ms(num_requests, num_requests, 0)
-        one_ms = self.cost.step_ms(num_requests + verified, num_requests, 1)
+        plain_ms = self._batch_cost.step_ms(num_requests, num_requests, 0)
+        one_ms = self._batch_cost.step_ms(num_requests + verified, num_requests, 1)
         return max(one_ms - plain_ms, 0.0) / plain_ms * plain_s
 
     def observe_step(self, num_requests: int, drafted: bool, tokens: int, seconds: float,
@@ -510,7 +529,7 @@ class AsyncTopKScheduler:
         if drafted is not None and plain is not None:
             ratio = drafted[2] / plain[2]
         else:
-            ratio = self.cost.step_ms(num_requests, num_requests, num_requests) / self.cost.step_ms(
+            ratio = self._batch_cost.step_ms(num_requests, num_requests, num_requests) / self._batch_cost.step_ms(
                 num_requests, num_requests, 0)
         return int(interval * max(1.0, ratio) ** 2)
 
@@ -557,8 +576,8 @@ class AsyncTopKScheduler:
         if drafting < 1:
             return 1.0
         # the pool of R_d requests stands for R requests: each survival counts R / R_d times
-        best = _theta_curve(pool, num_requests, self.cost, num_requests, num_requests / drafting).max()
-        plain = _theta_curve(pool[:0], num_requests, self.cost, 0)[0]  # no drafts, no drafting cost
+        best = _theta_curve(pool, num_requests, self._batch_cost, num_requests, num_requests / drafting).max()
+        plain = _theta_curve(pool[:0], num_requests, self._batch_cost, 0)[0]  # no drafts, no drafting cost
         return float(best / plain)
 
     def capacity(self, num_requests: int, num_drafting: int | None = None) -> int | None:
@@ -569,8 +588,21 @@ class AsyncTopKScheduler:
             return self.default_capacity
         lagged = self._history[0][0]  # (M',) sorted positive survivals of step t - lag
         drafting = num_requests if num_drafting is None else num_drafting
-        theta = _theta_curve(lagged, num_requests, self.cost, drafting)
+        theta = _theta_curve(lagged, num_requests, self._batch_cost, drafting)
         return int(np.argmax(theta))
+
+    def draft_bound(self, num_requests: int, num_drafting: int) -> int | None:
+        """The most drafts a request proposes in a step of ``num_requests`` requests, ``num_drafting`` of them
+        drafting: one position deeper than the deepest entry the capacity K* admits from the lagged pool, at least
+        1 (so survivals keep coming); None before ``lag`` steps (no bound). Drafts deeper than that would rarely be
+        verified and cost drafting time (DSpark's head drafts position by position), and the pool they would have
+        added to is the capacity's only evidence, so the bound can grow by one position per step. Like the capacity
+        it reads past steps only, never this step's drafts: lossless."""
+        if len(self._history) < self.lag:
+            return None
+        capacity = self.capacity(num_requests, num_drafting)
+        admitted = self._depths[0][:capacity]  # (K*,) 0-based positions, best survival first
+        return int(admitted.max()) + 2 if admitted.size else 1
 
     def choose(self, confidences: torch.Tensor | None, num_candidates: torch.Tensor) -> torch.Tensor:
         confidences, n = _check_confidences(confidences, num_candidates, "AsyncTopKScheduler")
@@ -581,4 +613,5 @@ class AsyncTopKScheduler:
         count = sorted_a.size if capacity is None else min(capacity, sorted_a.size)
         self.last_capacity = capacity
         self._history.append((sorted_a, _num_drafting(n)))
+        self._depths.append(positions)
         return _as_verify_len(_lengths_from_path(rows, positions, count, survival.shape), num_candidates)

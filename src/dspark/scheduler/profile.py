@@ -4,11 +4,14 @@ One profiled "step" is what a serving verify pass costs: ``target.forward``
 over a flattened batch of R requests x (gamma + 1) tokens (anchor + gamma
 drafts), logits for every position, against warm KV caches that already hold
 ``context_len`` tokens each; the caches are rolled back after every call so
-the context length stays fixed. This is SGLang's profiling grid
-(batch_tokens = running requests x (gamma + 1), docs/interop.md §SPS table); ``dense``
-also times every token count in between (R = ceil(B / (gamma + 1)) requests,
-the last one shorter), which makes the floor-step lookup exact between the
-SGLang samples at the price of a longer profile.
+the context length stays fixed. The batch sizes timed (``batch_token_grid``) are every
+count up to gamma + 1, one request verifying 0..gamma drafts (on a CPU such a pass reads the weights once and
+costs about what one token does, not even monotonically:
+docs/serving/step-cost.md §What the profile times, and how the planner reads it),
+then SGLang's points R x (gamma + 1) (docs/interop.md §SPS table) at R = 2, 3, 4, 6, 8, 12, ... and
+``max_requests``, where the cost grows about linearly in B; the table holds every count from 1 to the largest,
+the step time linear between the timed ones (``SPSTable.filled``), so the floor-step lookup sees the slope between
+SGLang's samples. ``dense`` times every count instead, at the price of a longer profile.
 
 Shapes: N = tokens in a profiled batch.
 """
@@ -34,13 +37,22 @@ def synchronize(device: torch.device) -> None:
 
 
 def batch_token_grid(block_size: int, max_requests: int, dense: bool = False) -> list[int]:
-    """Batch sizes (in tokens) to time: R * (gamma + 1) for R = 1..max_requests, or every count up to it."""
+    """Batch sizes (in tokens) to time: every count up to gamma + 1 (one request verifying 0..gamma drafts, where a
+    CPU pass costs about the same and not even monotonically), then R * (gamma + 1) for R = 2, 3, 4, 6, 8, 12, ...
+    and ``max_requests`` (where the cost grows about linearly: ``SPSTable.filled`` draws the line between).
+    ``dense``: every count up to max_requests * (gamma + 1)."""
     if block_size < 0 or max_requests < 1:
         raise ValueError(f"need block_size >= 0 and max_requests >= 1, got {block_size}, {max_requests}")
     window = block_size + 1
     if dense:
         return list(range(1, max_requests * window + 1))
-    return [r * window for r in range(1, max_requests + 1)]
+    requests = {max_requests} | {r for r in range(2, max_requests + 1) if _is_grid_count(r)}
+    return sorted(set(range(1, window + 1)) | {r * window for r in requests})
+
+
+def _is_grid_count(r: int) -> bool:
+    """1, 2, 3, 4, 6, 8, 12, 16, 24, ...: powers of two and 1.5 times them."""
+    return r & (r - 1) == 0 or (r % 3 == 0 and (r // 3) & (r // 3 - 1) == 0)
 
 
 def profile_target(
@@ -94,7 +106,7 @@ def profile_target(
         for cache in used:
             cache.truncate(context_len)
 
-    return profile_sps(step, grid, repeats=repeats, warmup=warmup)
+    return profile_sps(step, grid, repeats=repeats, warmup=warmup).filled()
 
 
 def _profile_prefill(target: TargetModel, grid: list[int], context_len: int, repeats: int, warmup: int,
@@ -112,7 +124,7 @@ def _profile_prefill(target: TargetModel, grid: list[int], context_len: int, rep
         synchronize(device)
         cache.truncate(context_len)
 
-    return profile_sps(step, grid, repeats=repeats, warmup=warmup)
+    return profile_sps(step, grid, repeats=repeats, warmup=warmup).filled()
 
 
 def load_or_profile(

@@ -116,6 +116,13 @@ class SPSTable:
         return len(self.sample_batch_tokens) == 1
 
     # ------------------------------------------------------------ constructors
+    def filled(self) -> SPSTable:
+        """Every batch size from the first sample to the last: the samples as they are, the step time linear
+        between them (``linear_between``). A profile measured where the cost bends and sparse where it is a line
+        then plans like a dense one under the floor-step lookup."""
+        grid, times = linear_between(self.sample_batch_tokens, [1.0 / s for s in self.sample_steps_per_sec])
+        return SPSTable(grid, tuple(1.0 / t for t in times), self.max_batch_tokens)
+
     @classmethod
     def flat(cls, max_batch_tokens: int = UNLIMITED_BATCH_TOKENS) -> SPSTable:
         """The no-table fallback [1] -> 1.0 (verify-all), as SGLang's uninitialised table."""
@@ -175,6 +182,20 @@ class SPSTable:
             return cls.from_json(path.read_text(encoding="utf-8"))
         except (OSError, ValueError) as e:  # ValueError: malformed table, or not UTF-8
             raise BadFileError(f"SPS table file {path}: {e}") from None
+
+
+def linear_between(grid: Iterable[int], values: Iterable[float]) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    """Every integer from ``grid[0]`` to ``grid[-1]``, each value linear between its measured neighbours.
+
+    ``grid`` strictly increasing; the grid's own points keep their values exactly.
+    """
+    xs, ys = list(grid), [float(v) for v in values]
+    if not xs or len(xs) != len(ys) or any(a >= b for a, b in zip(xs, xs[1:])):
+        raise ValueError(f"need a strictly increasing grid with one value per point, got {xs} and {ys}")
+    dense = np.arange(xs[0], xs[-1] + 1)  # (G,)
+    filled = np.interp(dense, xs, ys)  # (G,)
+    filled[np.searchsorted(dense, xs)] = ys  # bitwise the measured values at measured points
+    return tuple(int(x) for x in dense), tuple(float(y) for y in filled)
 
 
 def profile_sps(

@@ -21,10 +21,14 @@ File format (``dspark profile --step-cost FILE`` writes it; docs/serving/step-co
      "verify": {"batch_tokens": [8, 16, ...], "ms": [20.1, 24.3, ...], "max_batch_tokens": 128},
      "draft":  {"requests": [1, 2, ...], "ms": [3.0, 3.4, ...]},
      "host":   {"requests": [1, 2, ...], "ms": [1.1, 1.9, ...]},
+     "host_greedy": {"requests": [1, 2, ...], "ms": [0.4, 0.6, ...]},   # optional: all requests greedy
      "profile": {"target": "smollm2-135m", "drafter": "prompt-lookup", "dtype": "bfloat16",
                  "device": "cpu", "threads": 1, "block_size": 7, "context_len": 256, "repeats": 5}}
 
-Every curve is a floor step over its grid (the value of the largest sample <= x; below the first sample
+Host work depends on the batch's sampling: greedy requests compare tokens, sampled ones build and sample
+distributions over the vocabulary (several times the work). ``host`` is timed with sampled requests, the optional
+``host_greedy`` with greedy ones on the same grid; a planner prices a batch with the share of greedy requests it holds
+(``for_batch``). Every curve is a floor step over its grid (the value of the largest sample <= x; below the first sample
 the first value; beyond the last sample the last value), like the SPS table's lookup. Verify grids are
 strictly increasing integers >= 1 with positive times; draft and host times may be 0. Beyond
 ``max_batch_tokens`` a step cannot run (infinite cost, throughput 0), as with the SPS table. The
@@ -48,11 +52,11 @@ from pathlib import Path
 import numpy as np
 
 from dspark.errors import BadFileError
-from dspark.scheduler.sps import SPSTable
+from dspark.scheduler.sps import SPSTable, linear_between
 
 FORMAT = "dspark-step-cost"
 VERSION = 1
-_TOP_KEYS = {"format", "version", "units", "verify", "draft", "host", "profile"}
+_TOP_KEYS = {"format", "version", "units", "verify", "draft", "host", "host_greedy", "profile"}
 PROFILE_KEYS = {"target": str, "drafter": str, "dtype": str, "device": str, "threads": int, "block_size": int,
                 "context_len": int, "repeats": int, "source": str}
 _ADDITIVE_KEYS = ("bias_seconds", "bs_probes", "alpha_seconds", "m_probes", "theta_seconds")
@@ -89,6 +93,12 @@ class CostCurve:
     def zero(cls) -> CostCurve:
         return cls((1,), (0.0,))
 
+    def filled(self) -> CostCurve:
+        """Every integer from the first grid point to the last, linear between the measured ones
+        (``dspark.scheduler.sps.linear_between``)."""
+        grid, ms = linear_between(self.grid, self.ms)
+        return CostCurve(grid, ms, self.positive)
+
     @property
     def is_zero(self) -> bool:
         return not any(self.ms)
@@ -116,8 +126,14 @@ class StepCostModel:
     draft: CostCurve = field(default_factory=CostCurve.zero)  # drafting requests R_d -> ms
     host: CostCurve = field(default_factory=CostCurve.zero)  # requests R -> ms of the rest of the step
     profile: dict = field(default_factory=dict, compare=False, hash=False)  # what was measured (PROFILE_KEYS)
+    #: requests R -> ms of the rest of a step whose requests are all greedy (they compare tokens, no distributions:
+    #: several times cheaper than ``host``, which is timed with sampled requests); None: ``host`` for every batch
+    host_greedy: CostCurve | None = None
 
     def __post_init__(self) -> None:
+        if self.host_greedy is not None and self.host_greedy.grid != self.host.grid:
+            raise ValueError(f"host_greedy must be on host's grid {list(self.host.grid)}, "
+                             f"got {list(self.host_greedy.grid)}")
         if not self.verify.positive:
             object.__setattr__(self, "verify", CostCurve(self.verify.grid, self.verify.ms, positive=True))
         mbt = self.max_batch_tokens
@@ -131,6 +147,16 @@ class StepCostModel:
                 raise ValueError(f"profile key {key!r} must be a {PROFILE_KEYS[key].__name__} or null, got {value!r}")
 
     # ---------------------------------------------------------------- costs
+    def for_batch(self, greedy_share: float) -> StepCostModel:
+        """The model of a batch whose requests are ``greedy_share`` greedy: host work weighted between ``host``
+        and ``host_greedy`` (itself where there is no ``host_greedy``)."""
+        if self.host_greedy is None:
+            return self
+        share = min(max(float(greedy_share), 0.0), 1.0)
+        host = CostCurve(self.host.grid, tuple((1.0 - share) * s + share * g
+                                               for s, g in zip(self.host.ms, self.host_greedy.ms)))
+        return StepCostModel(self.verify, self.max_batch_tokens, self.draft, host, self.profile)
+
     @property
     def verify_only(self) -> bool:
         """True when drafting and host work cost nothing: the plain SPS table's model."""
@@ -219,6 +245,8 @@ class StepCostModel:
                        "max_batch_tokens": self.max_batch_tokens},
             "draft": {"requests": list(self.draft.grid), "ms": list(self.draft.ms)},
             "host": {"requests": list(self.host.grid), "ms": list(self.host.ms)},
+            **({} if self.host_greedy is None else
+               {"host_greedy": {"requests": list(self.host_greedy.grid), "ms": list(self.host_greedy.ms)}}),
             "profile": dict(self.profile),
         }
 
@@ -246,12 +274,15 @@ class StepCostModel:
         verify = _section(data, "verify", "batch_tokens", {"max_batch_tokens"})
         draft = _section(data, "draft", "requests") if "draft" in data else None
         host = _section(data, "host", "requests") if "host" in data else None
+        host_greedy = _section(data, "host_greedy", "requests") if "host_greedy" in data else None
+        if host_greedy and not host:
+            raise ValueError("host_greedy needs host (the same grid, timed with sampled requests)")
         profile = data.get("profile", {})
         if not isinstance(profile, dict):
             raise ValueError(f"profile must be an object, got {profile!r}")
         return cls(CostCurve(*verify, positive=True), data["verify"]["max_batch_tokens"],
                    CostCurve(*draft) if draft else CostCurve.zero(), CostCurve(*host) if host else CostCurve.zero(),
-                   dict(profile))
+                   dict(profile), CostCurve(*host_greedy) if host_greedy else None)
 
     @classmethod
     def from_json(cls, text: str) -> StepCostModel:
