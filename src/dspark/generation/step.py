@@ -253,10 +253,9 @@ def _drafting_requests(gate, requests: list[RequestState]) -> list[bool]:
     return [gate.should_draft(len(requests), sum(r.drafted_steps == 0 for r in requests))] * len(requests)
 
 
-def _draft_bound(policy: VerifyPolicy | ConfidenceAdapter | None, num_requests: int, num_drafting: int) -> int | None:
+def _draft_bound(inner: VerifyPolicy | None, num_requests: int, num_drafting: int) -> int | None:
     """The most drafts a request proposes this step by the policy's capacity (``AsyncTopKScheduler.draft_bound``),
     or None: no bound (no such policy, no drafting request, or too few past steps)."""
-    inner = _inner_policy(policy)
     if num_drafting == 0 or not hasattr(inner, "draft_bound"):
         return None
     return inner.draft_bound(num_requests, num_drafting)
@@ -298,7 +297,7 @@ def speculative_step(
     if gate is not None and max(max_tokens, default=0) > 0:
         # requests left out verify their anchor alone: the planner expects their drafting to cost more than it brings
         max_tokens = [n if d else 0 for n, d in zip(max_tokens, _drafting_requests(gate, requests))]
-    bound = _draft_bound(policy, R, sum(n > 0 for n in max_tokens))
+    bound = _draft_bound(inner, R, sum(n > 0 for n in max_tokens))
     if bound is not None:  # drafts deeper than the capacity reaches are not proposed (lossless: past steps only)
         max_tokens = [min(n, bound) for n in max_tokens]
     for req, n in zip(requests, max_tokens):

@@ -23,7 +23,6 @@ and exists for tests and ablations only.
 
 from __future__ import annotations
 
-import functools
 from collections import deque
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol, runtime_checkable
@@ -158,11 +157,6 @@ def _theta_curve(sorted_a: np.ndarray, num_requests: int, cost: StepCostModel, n
         tau = num_requests + weight * np.concatenate([[0.0], sorted_a]).cumsum()  # (M + 1,)
         batch_tokens = num_requests + np.rint(weight * np.arange(tau.size)).astype(np.int64)
     return cost.throughput_array(tau, batch_tokens, num_requests, num_drafting)
-
-
-@functools.lru_cache(maxsize=256)
-def _for_batch(cost: StepCostModel, greedy_64ths: int) -> StepCostModel:
-    return cost.for_batch(greedy_64ths / 64)
 
 
 def _num_drafting(num_candidates: np.ndarray) -> int:
@@ -355,6 +349,7 @@ class AsyncTopKScheduler:
     #: share of greedy requests in the current batch (the step sets it before drafting): host work is priced with it
     #: (``StepCostModel.for_batch``); 0 = every request sampled, as ``host`` was timed
     greedy_share: float = field(default=0.0, init=False)
+    _priced: tuple | None = field(default=None, init=False, repr=False)  # (cost, share in 64ths, cost.for_batch of it)
 
     def __post_init__(self) -> None:
         self.cost = as_step_cost(self.cost)
@@ -383,8 +378,12 @@ class AsyncTopKScheduler:
 
     @property
     def _batch_cost(self) -> StepCostModel:
-        """The cost model priced for this batch's sampling (``greedy_share``), in 1/64 steps of the share."""
-        return _for_batch(self.cost, round(self.greedy_share * 64))
+        """The cost model priced for this batch's sampling (``greedy_share``), in 1/64 steps of the share; rebuilt only
+        when the share moves."""
+        share = round(self.greedy_share * 64)
+        if self._priced is None or self._priced[0] is not self.cost or self._priced[1] != share:
+            self._priced = (self.cost, share, self.cost.for_batch(share / 64))
+        return self._priced[2]
 
     @property
     def min_drafting_steps(self) -> int:
