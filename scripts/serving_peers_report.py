@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--concurrency", required=True)
     w.add_argument("--num-requests", type=int, required=True)
     w.add_argument("--max-tokens", type=int, required=True)
+    w.add_argument("--temperature", type=float, default=0.0, help="the load's sampling temperature")
     w.add_argument("--command", required=True)
     w.add_argument("--full-command", required=True)
     w.add_argument("--cpus", default="", help="the cores every server was confined to (CPUS), if any")
@@ -54,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         print(speculative_config(sys.stdin.read()))
     else:
         config = {"model": args.model, "concurrency": args.concurrency, "num_requests": args.num_requests,
-                  "max_tokens": args.max_tokens, "temperature": 0.0, "cpu_count": os.cpu_count(),
+                  "max_tokens": args.max_tokens, "temperature": args.temperature, "cpu_count": os.cpu_count(),
                   "cpus": args.cpus}
         for path in write_peers(args.work, args.out_dir, config, args.command, args.full_command, args.smoke):
             print(f"wrote {path}")

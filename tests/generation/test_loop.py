@@ -170,23 +170,6 @@ def test_the_loop_takes_a_verify_policy_bare_or_adapted():
         assert sum(r.stats.num_accepted for r in out) > 0
 
 
-def test_target_probs_of_the_batch_equal_one_call_per_request():
-    from dspark.generation.step import _target_probs
-    from dspark.sampling.processing import logits_to_probs
-
-    settings = [SamplingParams(1.0, top_p=0.9), SamplingParams(0.0), SamplingParams(1.0, top_p=0.9),
-                SamplingParams(0.7, top_k=5)]
-    requests = [RequestState(str(i), 1, [1], s, None) for i, s in enumerate(settings)]
-    seq_lens = [3, 1, 4, 2]
-    logits = torch.randn(sum(seq_lens), 50, generator=torch.Generator().manual_seed(0))
-    got = _target_probs(logits, requests, seq_lens, K=3)
-    offset = 0
-    for r, (s, n) in enumerate(zip(settings, seq_lens)):
-        want = logits_to_probs(logits[offset : offset + n], s.temperature, s.top_k, s.top_p)
-        assert torch.equal(got[r, :n], want) and not got[r, n:].any()
-        offset += n
-
-
 def test_mixed_settings_in_one_batch_give_each_request_its_text_alone():
     """Batched host work (one processing call and one rejection-sampling pass for the whole step): seeded
     requests with different temperature / top-k / top-p settings give, together, what each gives alone."""

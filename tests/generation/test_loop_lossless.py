@@ -322,15 +322,16 @@ DRAFT_VOCAB = [0, 2, 3, 5]  # the drafter samples among 4 of the 6 tokens; its d
 @pytest.mark.parametrize("lossy", [False, True], ids=["lossless", "probs-scattered-to-the-wrong-tokens"])
 def test_a_draft_vocabulary_keeps_the_target_law(lossy, monkeypatch):
     """A drafter with a draft vocabulary reports its distributions over the W tokens (``DraftBlock.vocab``);
-    verification scatters them into V for the sampled requests. Negative control: scattered one token off."""
+    verification reads them over V for the sampled requests (``DraftBlock.rows``). Negative control: read one token
+    off."""
     from dspark.drafters.base import DraftBlock
 
     target = _target()
     drafter = DSparkDrafter(_drafter(target).model, draft_vocab=DRAFT_VOCAB)
     assert drafter.draft_vocab.tolist() == DRAFT_VOCAB
     if lossy:
-        honest = DraftBlock.probs_over_vocabulary
-        monkeypatch.setattr(DraftBlock, "probs_over_vocabulary", lambda self, rows, K, V: honest(
+        honest = DraftBlock.rows
+        monkeypatch.setattr(DraftBlock, "rows", lambda self, rows, K, V: honest(
             dataclasses.replace(self, vocab=self.vocab.roll(1)), rows, K, V))
     out = _generate(target, drafter, T1)
     fit = goodness_of_fit(pair_samples(out, V), drafted_pair_law(target, PROMPT, T1))

@@ -62,8 +62,11 @@ def test_smoke_under_load_is_labelled(tmp_path):
     assert "**Smoke run under load: not a result.**" in text
     assert "Full run: `bash scripts/serving_peers.sh`" in text
     assert "each engine placed on them as it chooses" in text
-    pinned = write_peers(tmp_path, tmp_path, {**CONFIG, "cpus": "1"}, "c", "c", smoke=True)[0].read_text()
+    assert "--max-tokens 32 --temperature 0`" in text
+    pinned = write_peers(tmp_path, tmp_path, {**CONFIG, "cpus": "1", "temperature": 1.0}, "c", "c",
+                         smoke=True)[0].read_text()
     assert "every server confined to core(s) 1" in pinned
+    assert "--max-tokens 32 --temperature 1`" in pinned  # the load's temperature, as the script passed it
     assert _table(text)[0][6] == "–"  # no vLLM plain row: no ratio
 
 

@@ -92,6 +92,47 @@ class DraftBlock:
         return full
 
 
+    def rows(self, rows: list[int], K: int, vocab_size: int) -> DraftRows:
+        """The distributions of the first K drafts of ``rows``, as the rejection sampler reads them (each draft's
+        probability, then one row per request over all ``vocab_size`` tokens), without building (len(rows), K, V)."""
+        return DraftRows(self, rows, K, vocab_size)
+
+
+@dataclass
+class DraftRows:
+    """``Rows`` (``dspark.sampling.rejection``) of some requests of a ``DraftBlock``: row k of request i is the
+    distribution its k-th draft was sampled from, over all V tokens (0 outside the draft vocabulary)."""
+
+    block: DraftBlock
+    requests: list[int]  # (S,) the block's rows read
+    K: int
+    vocab_size: int
+
+    def at(self, tokens: torch.Tensor) -> torch.Tensor:  # (S, K) token ids -> (S, K) their draft probabilities
+        probs, vocab = self.block.draft_probs, self.block.vocab
+        dev = probs.device
+        S, K = tokens.shape
+        req = torch.tensor(self.requests, dtype=torch.long, device=dev)[:, None].expand(S, K)
+        pos = torch.arange(K, device=dev)[None, :].expand(S, K)
+        tokens = tokens.to(dev)
+        if vocab is None:
+            return probs[req, pos, tokens]
+        where = torch.full((self.vocab_size,), -1, dtype=torch.long, device=dev)  # (V,) entry of each token in W
+        where[vocab.to(dev)] = torch.arange(len(vocab), device=dev)
+        entry = where[tokens]  # (S, K), -1 outside the draft vocabulary
+        return torch.where(entry >= 0, probs[req, pos, entry.clamp_min(0)], 0.0)
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:  # (S,) positions in 0..K-1 -> (S, V)
+        probs, vocab = self.block.draft_probs, self.block.vocab
+        dev = probs.device
+        picked = probs[torch.tensor(self.requests, dtype=torch.long, device=dev), index.to(dev)]  # (S, V) or (S, W)
+        if vocab is None:
+            return picked
+        full = torch.zeros(len(self.requests), self.vocab_size, dtype=picked.dtype, device=dev)
+        full[:, vocab.to(dev)] = picked
+        return full
+
+
 @runtime_checkable
 class Drafter(Protocol):
     """Anything that proposes draft tokens for a batch of requests."""

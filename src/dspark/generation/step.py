@@ -20,8 +20,9 @@ import torch
 from dspark.drafters.base import DraftBlock, Drafter, RequestState
 from dspark.generation.context_features import append_context_features
 from dspark.modeling.kv_cache import KVCache
-from dspark.sampling.processing import logits_to_probs, logits_to_probs_rows, sample_from_probs
-from dspark.sampling.rejection import rejection_sample
+from dspark.sampling.processing import logits_to_probs, sample_from_probs
+from dspark.sampling.rejection import DenseRows, rejection_sample_rows
+from dspark.sampling.rows import TargetRows
 from dspark.scheduler.confidence import ConfidenceAdapter
 from dspark.scheduler.policies import VerifyPolicy
 from dspark.target.model import TargetModel
@@ -135,28 +136,6 @@ def _check_finished(req: RequestState, new_tokens: list[int], stop_ids: set[int]
         req.finished, req.finish_reason = True, "length"
 
 
-def _target_probs(
-    logits: torch.Tensor,  # (N, V) verify logits, requests concatenated
-    requests: list[RequestState],
-    seq_lens: list[int],  # (R,) 1 + verify_len per request
-    K: int,
-) -> torch.Tensor:  # (R, K+1, V) float32, zero past each request's rows
-    """``logits_to_probs`` for the whole batch in one ``logits_to_probs_rows`` call, each token row with its
-    request's settings (every operation in it works row by row, so each row is what a call of its own gives)."""
-    R, V = len(requests), logits.shape[-1]
-    lens = torch.tensor(seq_lens)
-    token_req = torch.repeat_interleave(torch.arange(R), lens)  # (N,)
-    token_row = torch.arange(int(lens.sum())) - (lens.cumsum(0) - lens)[token_req]  # (N,)
-    settings = torch.tensor([[r.sampling.temperature, r.sampling.top_k, r.sampling.top_p] for r in requests],
-                            dtype=torch.float64)[token_req]  # (N, 3)
-    probs = logits_to_probs_rows(logits, settings[:, 0].float(), settings[:, 1].long(), settings[:, 2].float())
-    if min(seq_lens) == K + 1:  # every request verifies K drafts (plain decoding: none): the rows are in place
-        return probs.view(R, K + 1, V)
-    target_probs = torch.zeros(R, K + 1, V, device=logits.device)
-    target_probs[token_req.to(logits.device), token_row.to(logits.device)] = probs
-    return target_probs
-
-
 def greedy_verify(
     logits: torch.Tensor,  # (N, V) verify logits, requests concatenated
     seq_lens: list[int],  # (R,) 1 + verify_len per request
@@ -193,9 +172,10 @@ def _verify(
     block: DraftBlock | None,  # the step's proposal (None when nothing was proposed)
     V: int,
 ) -> tuple[list[int], list[list[int]]]:  # accepted drafts, committed tokens (accepted + recovered/bonus) per request
-    """Greedy requests by ``greedy_verify``, the others by ``rejection_sample`` over their own rows (every row of
-    ``_target_probs`` and of the sampler is what a call of its own gives, so a request's result does not depend on
-    which others share the step)."""
+    """Greedy requests by ``greedy_verify``, the others by ``rejection_sample_rows`` over their own rows, reading
+    the target's and the drafter's distributions only where the rule does (``TargetRows``, ``DraftBlock.rows``).
+    Every row of both and of the sampler is what a call of its own gives, so a request's result does not depend on
+    which others share the step."""
     R = len(requests)
     greedy = [r for r in range(R) if requests[r].sampling.greedy]
     accepted: list[int] = [0] * R
@@ -217,16 +197,16 @@ def _verify(
         logits = logits[_token_rows(starts, sampled)]
     reqs, lens = [requests[r] for r in sampled], [seq_lens[r] for r in sampled]
     K = max(lens) - 1
-    target_probs = _target_probs(logits, reqs, lens, K)  # (S, K+1, V)
+    target = TargetRows(logits, [q.sampling for q in reqs], lens)  # S requests' K+1 rows
     dev = logits.device
     if K:
-        draft_tokens = block.tokens[sampled, :K].to(dev)  # the sampler runs where the target's probs are
-        draft_probs = block.probs_over_vocabulary(sampled, K, V).to(dev)
+        draft_tokens = block.tokens[sampled, :K].to(dev)  # the sampler runs where the target's logits are
+        draft = block.rows(sampled, K, V)
     else:
         draft_tokens = torch.zeros(len(sampled), 0, dtype=torch.long, device=dev)
-        draft_probs = torch.zeros(len(sampled), 0, V, device=dev)
+        draft = DenseRows(torch.zeros(len(sampled), 0, V, device=dev))
     verify_len = torch.tensor([n - 1 for n in lens])
-    result = rejection_sample(draft_tokens, verify_len, draft_probs, target_probs, [q.generator for q in reqs])
+    result = rejection_sample_rows(draft_tokens, verify_len, draft, target, [q.generator for q in reqs])
     for r, out_row, acc in zip(sampled, result.output_tokens.tolist(), result.num_accepted.tolist()):
         accepted[r], committed[r] = acc, out_row[: acc + 1]
     return accepted, committed

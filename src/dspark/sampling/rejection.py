@@ -33,6 +33,7 @@ order, all their acceptance uniforms first, then their recovered/bonus draws.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -53,6 +54,31 @@ class RejectionOutput:
     num_emitted: torch.Tensor  # (R,) int64 = num_accepted + 1
 
 
+class Rows(Protocol):
+    """Distributions of a batch read only where the sampler reads them: row k of request r holds the distribution
+    of its k-th position (targets: K+1 rows per request, drafts: K). ``DenseRows`` reads an (R, J, V) tensor; a
+    verify step passes readers that never build one (``dspark.sampling.rows``, ``DraftBlock.rows``)."""
+
+    def at(self, tokens: torch.Tensor) -> torch.Tensor:  # (R, K) int64 -> (R, K) probability of tokens[r, k] at row k
+        ...
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:  # (R,) int64 -> (R, V) the distribution at row index[r]
+        ...
+
+
+@dataclass
+class DenseRows:
+    """``Rows`` of a whole (R, J, V) tensor of distributions."""
+
+    probs: torch.Tensor  # (R, J, V)
+
+    def at(self, tokens: torch.Tensor) -> torch.Tensor:  # (R, K) -> (R, K), K <= J
+        return _probs_at(self.probs[:, : tokens.shape[1]], tokens)
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:  # (R,) -> (R, V)
+        return _select_rows(self.probs, index)
+
+
 def rejection_sample(
     draft_tokens: torch.Tensor,  # (R, K) int64; entries at k >= num_draft[r] are padding, ignored
     num_draft: torch.Tensor,  # (R,) int64 in 0..K
@@ -61,7 +87,26 @@ def rejection_sample(
     generators: list[torch.Generator | None],  # (R,) one per request
 ) -> RejectionOutput:
     """Verify a batch of draft blocks; see the module docstring for the rule."""
-    R, K = _check_shapes(draft_tokens, num_draft, draft_probs, target_probs, generators)
+    _check_shapes(draft_tokens, num_draft, draft_probs, target_probs, generators)
+    return rejection_sample_rows(draft_tokens, num_draft, DenseRows(draft_probs), DenseRows(target_probs), generators)
+
+
+def rejection_sample_rows(
+    draft_tokens: torch.Tensor,  # (R, K) int64; entries at k >= num_draft[r] are padding, ignored
+    num_draft: torch.Tensor,  # (R,) int64 in 0..K
+    draft: Rows,  # K rows per request: the distributions the drafts were sampled from
+    target: Rows,  # K+1 rows per request: processed target distributions; row num_draft[r] gives the bonus
+    generators: list[torch.Generator | None],  # (R,) one per request
+) -> RejectionOutput:
+    """``rejection_sample`` reading the distributions only where the rule does: each draft's probability under
+    both, then one target row (and one draft row) per request, the row its recovered or bonus token comes from.
+    The same tokens and generator states as ``rejection_sample`` on the dense tensors these readers read."""
+    R, K = draft_tokens.shape
+    if tuple(num_draft.shape) != (R,) or len(generators) != R:
+        raise ValueError(f"need num_draft (R,) and one generator per request for R = {R}: got "
+                         f"{tuple(num_draft.shape)} and {len(generators)} generators")
+    if R and (int(num_draft.min()) < 0 or int(num_draft.max()) > K):
+        raise ValueError(f"num_draft must lie in 0..K = 0..{K}, got {num_draft.tolist()}")
     device = draft_tokens.device
     num_draft = num_draft.to(device=device, dtype=torch.long)
     groups = _group_rows(generators)
@@ -69,8 +114,8 @@ def rejection_sample(
     positions = torch.arange(K, device=device)  # (K,)
     valid = positions[None, :] < num_draft[:, None]  # (R, K)
     tokens = torch.where(valid, draft_tokens, 0)  # (R, K) padding made safe to gather
-    target_at = _probs_at(target_probs[:, :K], tokens)  # (R, K)
-    draft_at = _probs_at(draft_probs, tokens)  # (R, K)
+    target_at = _at_least_float(target.at(tokens)).to(device)  # (R, K)
+    draft_at = _at_least_float(draft.at(tokens)).to(device)  # (R, K)
 
     # u < min(1, target / draft); a draft probability of 0 (never sampled) is a rejection
     uniforms, final_uniforms = _draw_uniforms(valid, groups)  # (R, K), (R,)
@@ -80,7 +125,7 @@ def rejection_sample(
     rejected = num_accepted < num_draft  # (R,)
 
     # the recovered (rejected) or bonus (all accepted) token both come from row num_accepted
-    final_probs = _final_distribution(num_accepted, rejected, draft_probs, target_probs)  # (R, V)
+    final_probs = _final_distribution(num_accepted, rejected, K, draft, target)  # (R, V)
     final_tokens = sample_with_uniforms(final_probs, final_uniforms).to(device)  # (R,)
 
     output_tokens = torch.full((R, K + 1), PADDING_TOKEN, dtype=torch.long, device=device)
@@ -118,9 +163,12 @@ def _check_shapes(
 def _probs_at(
     probs: torch.Tensor,  # (R, K, V)
     tokens: torch.Tensor,  # (R, K)
-) -> torch.Tensor:  # (R, K) probability of each token, at least float32
-    picked = probs.gather(-1, tokens[..., None]).squeeze(-1)
-    return picked if picked.dtype == torch.float64 else picked.float()
+) -> torch.Tensor:  # (R, K) probability of each token
+    return probs.gather(-1, tokens[..., None]).squeeze(-1)
+
+
+def _at_least_float(x: torch.Tensor) -> torch.Tensor:  # float64 stays, anything else becomes float32
+    return x if x.dtype == torch.float64 else x.float()
 
 
 def _group_rows(generators: list[torch.Generator | None]) -> list[tuple[torch.Generator | None, list[int]]]:
@@ -172,19 +220,18 @@ def _draw_uniforms(
 def _final_distribution(
     num_accepted: torch.Tensor,  # (R,)
     rejected: torch.Tensor,  # (R,) bool
-    draft_probs: torch.Tensor,  # (R, K, V)
-    target_probs: torch.Tensor,  # (R, K+1, V)
+    K: int,
+    draft: Rows,
+    target: Rows,
 ) -> torch.Tensor:  # (R, V) unnormalised: sample_from_probs scales by the row total
     """Residual norm(max(target - draft, 0)) where rejected, else the target row (bonus)."""
-    K = draft_probs.shape[1]
-    target_row = _select_rows(target_probs, num_accepted)  # (R, V)
-    target_row = target_row if target_row.dtype == torch.float64 else target_row.float()
+    target_row = _at_least_float(target.rows(num_accepted))  # (R, V)
     if K == 0:
         return target_row
-    draft_row = _select_rows(draft_probs, num_accepted.clamp_max(K - 1)).to(target_row.dtype)  # (R, V)
+    draft_row = draft.rows(num_accepted.clamp_max(K - 1)).to(target_row)  # (R, V)
     residual = (target_row - draft_row).clamp_min(0.0)  # (R, V)
     # fall back to the target when the residual has (numerically) no mass; also shields
-    # all-accepted rows from padding garbage in draft_probs
+    # all-accepted rows from padding garbage in the draft rows
     use_residual = rejected & (residual.sum(-1) > RESIDUAL_EPS)  # (R,)
     return torch.where(use_residual[:, None], residual, target_row)
 

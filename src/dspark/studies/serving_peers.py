@@ -100,7 +100,7 @@ def peers_markdown(rows: list[dict], config: dict, command: str, full_command: s
         f"One server at a time on 127.0.0.1, each started, its `/health` answered, one warm-up request sent, measured "
         f"and stopped, every one serving `{config['model']}` in bfloat16. The load is the same for every row: "
         f"`dspark bench serve --url http://127.0.0.1:PORT --concurrency {config['concurrency']} --num-requests "
-        f"{config['num_requests']} --max-tokens {config['max_tokens']} --temperature 0` (closed-loop clients "
+        f"{config['num_requests']} --max-tokens {config['max_tokens']} --temperature {config.get('temperature', 0):g}` (closed-loop clients "
         "streaming chat completions, the packaged evaluation prompts in the same order; at C clients max(C, "
         "requests) requests). Total = completion tokens of all requests / wall time; per-user = mean over "
         "requests of completion tokens / latency; tau = tokens committed per request-step, bonus included "
