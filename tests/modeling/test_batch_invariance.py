@@ -100,9 +100,13 @@ def smollm2_bf16():
 @pytest.mark.slow
 @needs_bf16
 def test_negative_control_a_target_that_loses_invariance_fails_not_skips(monkeypatch):
-    """The mutant: make_batch_invariant no longer pads lone rows (the flag is never set). The fixture above
-    must then fail the tests (pytest's Failed), not skip them."""
+    """The mutant: nothing pads lone rows (make_batch_invariant never sets the flag, and the prepacked products run
+    on the rows they get: ``packed.MIN_ROWS`` 1). The fixture above must then fail the tests (pytest's Failed), not
+    skip them."""
+    from dspark.modeling import packed
     from dspark.target import model as target_model
+
+    monkeypatch.setattr(packed, "MIN_ROWS", 1)
 
     def broken(self):
         self.batch_invariant = self.batch_invariance_holds()  # measured, but nothing was made invariant

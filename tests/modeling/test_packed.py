@@ -8,6 +8,7 @@ from torch import nn
 
 from dspark.modeling.layers import fuse_projections
 from dspark.modeling.packed import PackedLinear, can_pack, pack_linears
+from dspark.target.model import cpu_has_bf16_matmul
 from tests.tiny import tiny_target
 
 pytestmark = pytest.mark.skipif(not can_pack(torch.zeros(8, 8)), reason="this torch build has no oneDNN packing")
@@ -28,6 +29,38 @@ def test_a_packed_linear_computes_what_nn_linear_computes(dtype, bias):
     x3 = torch.randn(2, 3, 96, dtype=dtype)  # leading dimensions are kept
     assert packed(x3).shape == (2, 3, 200)
     assert packed.weight is None and packed.out_features == 200
+
+
+def test_few_bf16_rows_run_padded_to_min_rows_and_keep_their_bits(monkeypatch):
+    """Products of fewer than MIN_ROWS bf16 rows run on MIN_ROWS rows (the kernel sees them), each row with the
+    bits the unpadded product gives it on a CPU that multiplies bf16 natively (rows 2..32 share a regime there;
+    docs/reports/matmul-regimes.md)."""
+    import dspark.modeling.packed as packed_module
+
+    torch.manual_seed(1)
+    lin = nn.Linear(96, 200, bias=True).to(torch.bfloat16).requires_grad_(False)
+    packed = PackedLinear(lin)
+    seen = []
+    kernel = packed_module._product
+
+    def spy(rows, *args):
+        seen.append(rows.shape[0])
+        return kernel(rows, *args)
+
+    monkeypatch.setattr(packed_module, "_product", spy)
+    for n in (1, 2, 3, packed_module.MIN_ROWS, 9):
+        x = torch.randn(n, 96, dtype=torch.bfloat16)
+        got = packed(x)
+        assert seen[-1] == max(n, packed_module.MIN_ROWS)  # what the kernel multiplied
+        assert got.shape == (n, 200)
+        bare = kernel(x, packed.packed, packed.bias)  # the unpadded product
+        if n > 1 and cpu_has_bf16_matmul():  # where rows 2..32 share a regime: the same bits
+            assert torch.equal(got, bare)
+        else:
+            torch.testing.assert_close(got, bare, atol=1e-2, rtol=1e-2)
+    packed32 = PackedLinear(nn.Linear(96, 200).requires_grad_(False))
+    packed32(torch.randn(2, 96))
+    assert seen[-1] == 2  # float32 products run as they come
 
 
 def test_pack_linears_packs_every_projection_and_keeps_the_head_weight():

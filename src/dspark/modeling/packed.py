@@ -21,6 +21,15 @@ import torch
 from torch import nn
 
 
+#: bfloat16 products of fewer rows run on this many (the first row repeated, the extra outputs dropped). A decode
+#: step's products have 1-2 rows (a lone row runs as two, ``Decoder.batch_invariant``; ``fixed:1`` verifies two), and
+#: oneDNN streams the weights of 1- and 2-row products more slowly than of 3-8: SmolLM2's whole pass of 2 rows 28.0 ms
+#: unpadded against 23.6 padded to 4, of 1 row 24.8 against 23.3, one thread (``scripts/verify_rows_cost.py --padding
+#: both``, docs/serving.md §Engine). Every row keeps its bits: products of 2 to 32 rows give a row the same
+#: bits (docs/reports/matmul-regimes.md), and the script checks the logits
+MIN_ROWS = 4
+
+
 class PackedLinear(nn.Module):
     """``y = x W^T + b`` against a weight reordered once for oneDNN (CPU, float32 or bfloat16)."""
 
@@ -36,8 +45,15 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
         rows = x.reshape(-1, self.in_features)
-        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
+        n = rows.shape[0]
+        if 0 < n < MIN_ROWS and rows.dtype == torch.bfloat16:  # the first row repeated up to MIN_ROWS, then dropped
+            rows = torch.cat([rows, rows[:1].expand(MIN_ROWS - n, -1)])
+        out = _product(rows, self.packed, self.bias)[:n]
         return out.reshape(*x.shape[:-1], self.out_features)
+
+
+def _product(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:  # (M, in) -> (M, out)
+    return torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
 
 
 def can_pack(weight: torch.Tensor) -> bool:
