@@ -75,7 +75,10 @@ for kv in "${DEFAULTS[@]}"; do
   fi
 done
 for k in EAGLE3 VLLM_EAGER THREADS CPUS TEMPERATURE DSPARK_SRC; do  # the choices that change what a row measures
-  case "$k=${!k}" in EAGLE3=|VLLM_EAGER=1|THREADS=1|CPUS=|TEMPERATURE=0|"DSPARK_SRC=$PWD/src") ;; *) COMMAND="$k=${!k} $COMMAND" ;; esac
+  case "$k=${!k}" in
+    EAGLE3=|VLLM_EAGER=1|THREADS=1|CPUS=|TEMPERATURE=0|"DSPARK_SRC=$PWD/src") ;;
+    *) COMMAND="$k=${!k} $COMMAND" ;;
+  esac
 done
 
 for row in ${ROWS//,/ }; do
@@ -211,5 +214,6 @@ for row in ${ROWS//,/ }; do
 done
 
 "${REPORT[@]}" write --work "$WORK" --out-dir "$OUT" --model "${MODEL//$HOME/\~}" --concurrency "$CONCURRENCY" \
-  --num-requests "$NUM_REQUESTS" --max-tokens "$MAX_TOKENS" --temperature "$TEMPERATURE" --cpus "$CPUS" --command "$COMMAND" \
+  --num-requests "$NUM_REQUESTS" --max-tokens "$MAX_TOKENS" --temperature "$TEMPERATURE" --cpus "$CPUS" \
+  --command "$COMMAND" \
   --full-command "bash scripts/serving_peers.sh" "${SMOKE[@]}"

@@ -91,7 +91,6 @@ class DraftBlock:
         full[:, :, self.vocab.to(probs.device)] = probs
         return full
 
-
     def rows(self, rows: list[int], K: int, vocab_size: int) -> DraftRows:
         """The distributions of the first K drafts of ``rows``, as the rejection sampler reads them (each draft's
         probability, then one row per request over all ``vocab_size`` tokens), without building (len(rows), K, V)."""

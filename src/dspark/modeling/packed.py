@@ -52,7 +52,11 @@ class PackedLinear(nn.Module):
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
-def _product(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:  # (M, in) -> (M, out)
+def _product(
+    rows: torch.Tensor,  # (M, in)
+    packed: torch.Tensor,  # (out, in) blocked
+    bias: torch.Tensor | None,
+) -> torch.Tensor:  # (M, out)
     return torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
 
 
