@@ -16,6 +16,7 @@
 #   bash scripts/scale_train.sh depth2-3500      # the depth ablation: DSpark with 2 draft layers (dspark2-3500)
 #   PROCS=2 bash scripts/scale_train.sh depth2-regen-all  # the same at the largest point: regen-all's DSpark with
 #                                                # 2 draft layers (dspark2-regen-R3 after slice R3)
+#   PROCS=2 bash scripts/scale_train.sh depth2-dflash-regen-all  # its DFlash twin at equal depth (dflash2-regen-R4)
 #   bash scripts/scale_train.sh layer-target-330 # DSpark with the target family's draft layer (dsparktl-330)
 #   bash scripts/scale_train.sh regen            # DSpark and DFlash on the on-policy slices (dspark-regen, dflash-regen)
 #   bash scripts/scale_train.sh regen-cont       # both continued on every slice from dspark-regen / dflash-regen
@@ -85,6 +86,12 @@ for p in "${points[@]}"; do
   if [ "$p" = depth2-regen-all ]; then  # the depth ablation at the largest point: regen-all's DSpark, 2 draft layers
     slice=$(tail -n 1 "$R/regen-slices.tsv" | cut -f1)
     train "dspark2-regen-$slice" smollm2-dspark-markov "$(caches_for regen)" all --set model.draft_layer=qwen3 \
+      --set model.num_draft_layers=2 --set "data=[]"
+    continue
+  fi
+  if [ "$p" = depth2-dflash-regen-all ]; then  # its DFlash twin at equal depth: regen-all's DFlash, 2 draft layers
+    slice=$(tail -n 1 "$R/regen-slices.tsv" | cut -f1)
+    train "dflash2-regen-$slice" smollm2-dflash "$(caches_for regen)" all --set model.draft_layer=qwen3 \
       --set model.num_draft_layers=2 --set "data=[]"
     continue
   fi
