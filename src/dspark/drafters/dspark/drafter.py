@@ -19,7 +19,7 @@ Draft vocabulary: a checkpoint that carries one (``draft_vocab`` in model.safete
 drafts from its W tokens; a full-vocabulary model given ``draft_vocab`` ids (``--draft-vocab
 FILE``) is restricted to them in memory (``restrict_to_draft_vocab``). Sampling happens over
 the W tokens; the reported ``draft_probs`` are those probabilities over the W tokens, with ``DraftBlock.vocab``
-naming them (``DraftBlock.probs_over_vocabulary`` scatters them into V, 0 outside, for the requests that need it).
+naming them (verification reads them over V, 0 outside, for the sampled requests only: ``DraftBlock.rows``).
 """
 
 from __future__ import annotations
