@@ -74,8 +74,9 @@ for kv in "${DEFAULTS[@]}"; do
     [ "$k" = ROWS ] || SMOKE=(--smoke)
   fi
 done
-for k in EAGLE3 VLLM_EAGER THREADS CPUS TEMPERATURE DSPARK_SRC; do  # the choices that change what a row measures
-  case "$k=${!k}" in
+for k in DRAFTER STS SPS_TABLE HYBRID_POLICY EAGLE3 VLLM_EAGER THREADS CPUS TEMPERATURE DSPARK_SRC; do  # the choices
+  case "$k=${!k}" in  # that change what a row measures, named on the page's command when not the default
+    DRAFTER=checkpoints/smollm2-135m-dspark|"STS=$DRAFTER/sts.json"|SPS_TABLE=|HYBRID_POLICY=async) ;;
     EAGLE3=|VLLM_EAGER=1|THREADS=1|CPUS=|TEMPERATURE=0|"DSPARK_SRC=$PWD/src") ;;
     *) COMMAND="$k=${!k} $COMMAND" ;;
   esac
