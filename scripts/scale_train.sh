@@ -83,15 +83,11 @@ for p in "${points[@]}"; do
     train "dsparktl-$n" smollm2-dspark-markov "$(caches_for "$n")" "$n" --set model.draft_layer=target
     continue
   fi
-  if [ "$p" = depth2-regen-all ]; then  # the depth ablation at the largest point: regen-all's DSpark, 2 draft layers
+  if [ "$p" = depth2-regen-all ] || [ "$p" = depth2-dflash-regen-all ]; then  # the depth ablation at the largest
+    kind=dspark preset=smollm2-dspark-markov  # point: regen-all's DSpark with 2 draft layers, or its DFlash twin
+    [ "$p" = depth2-dflash-regen-all ] && kind=dflash preset=smollm2-dflash
     slice=$(tail -n 1 "$R/regen-slices.tsv" | cut -f1)
-    train "dspark2-regen-$slice" smollm2-dspark-markov "$(caches_for regen)" all --set model.draft_layer=qwen3 \
-      --set model.num_draft_layers=2 --set "data=[]"
-    continue
-  fi
-  if [ "$p" = depth2-dflash-regen-all ]; then  # its DFlash twin at equal depth: regen-all's DFlash, 2 draft layers
-    slice=$(tail -n 1 "$R/regen-slices.tsv" | cut -f1)
-    train "dflash2-regen-$slice" smollm2-dflash "$(caches_for regen)" all --set model.draft_layer=qwen3 \
+    train "${kind}2-regen-$slice" "$preset" "$(caches_for regen)" all --set model.draft_layer=qwen3 \
       --set model.num_draft_layers=2 --set "data=[]"
     continue
   fi
