@@ -3,12 +3,13 @@
     PYTHONPATH=src python scripts/propose_time.py                       # 1, 8 and 32 requests, settings mixed
     PYTHONPATH=/tmp/old/src python scripts/propose_time.py --greedy     # another commit's src (git archive)
     PYTHONPATH=src python scripts/propose_time.py --catch-up 16         # after 16 steps that skipped the drafter
+    PYTHONPATH=src python scripts/propose_time.py --plain-layout        # the drafter unfused and unpacked
 
 SmolLM2-135M in bf16 (fused, prepacked) with checkpoints/smollm2-135m-dspark (head over its top 64 tokens, as the
 demo runs it), one thread; each request has a 200-token context of the first turn of an evaluation prompt and its
 own settings, mixed greedy / temperature 1 / temperature 0.7 with top-k 50 / temperature 1 with top-p 0.9 and a
 seeded generator (``--greedy``: all greedy). Prints the median milliseconds of 20 proposals after 3 warm-up ones per
-R, and a checksum of the proposed tokens (equal checksums: the same drafts). ``--catch-up N``: before each proposal
+R, a checksum of the proposed tokens (equal checksums: the same drafts) and the sum of the confidence logits. ``--catch-up N``: before each proposal
 every request's drafter state forgets its last N context rows, so the proposal first projects them again, as after N
 steps that skipped the drafter (the asynchronous scheduler's plain steps).
 """
@@ -28,6 +29,9 @@ def main() -> None:
     p.add_argument("--drafts", type=int, default=7)
     p.add_argument("--greedy", action="store_true", help="every request greedy")
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--plain-layout", action="store_true",
+                   help="load the drafter unpacked and unfused (load_dspark_drafter(pack=False)): the layout the "
+                   "trainer's model has, for comparing drafts across commits without the fused layout's rounding")
     p.add_argument("--catch-up", type=int, default=0, metavar="N",
                    help="context rows each request catches up on before each proposal (default: %(default)s)")
     args = p.parse_args()
@@ -43,8 +47,13 @@ def main() -> None:
     from dspark.target.model import load_target
 
     target = load_target("smollm2-135m", dtype=torch.bfloat16, fuse=True, pack=True)
-    drafter = load_drafter("checkpoints/smollm2-135m-dspark", target,
-                           DraftingOptions(head_top_m=64, dtype="bfloat16"))
+    if args.plain_layout:
+        from dspark.drafters.dspark.drafter import load_dspark_drafter
+
+        drafter = load_dspark_drafter("checkpoints/smollm2-135m-dspark", target, head_top_m=64, pack=False)
+    else:
+        drafter = load_drafter("checkpoints/smollm2-135m-dspark", target,
+                               DraftingOptions(head_top_m=64, dtype="bfloat16"))
     texts = [s.prompt for s in load_eval_dataset("mt-bench", limit=40).samples]
     mixed = [dict(temperature=0.0), dict(temperature=1.0), dict(temperature=0.7, top_k=50),
              dict(temperature=1.0, top_p=0.9)]
@@ -58,7 +67,7 @@ def main() -> None:
                                  capture_layers=drafter.target_layer_ids, logits_for="none")
             req.context_features = out.features
             reqs.append(req)
-        times, checksum = [], 0
+        times, checksum, confidence = [], 0, 0.0
         with torch.inference_mode():
             for i in range(3 + args.repeats):
                 if i and args.catch_up:  # the drafter's state forgets the last N rows: the proposal projects them
@@ -69,8 +78,10 @@ def main() -> None:
                 if i >= 3:
                     times.append((time.perf_counter() - t0) * 1000)
                 checksum += int((block.tokens * torch.arange(1, block.tokens.numel() + 1).view_as(block.tokens)).sum())
+                if block.confidence_logits is not None:
+                    confidence += float(block.confidence_logits.double().sum())
         print(f"R={R:3d} K={args.drafts} catch-up {args.catch_up}: {statistics.median(times):7.2f} ms per propose (median of {args.repeats}), "
-              f"tokens checksum {checksum}", flush=True)
+              f"tokens checksum {checksum}, confidence sum {confidence:.6f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -328,8 +328,9 @@ def test_batched_propose_is_each_request_drafted_alone_the_slow_way(tiny, option
         assert block.tokens[r, :limits[r]].tolist() == tokens
         torch.testing.assert_close(full[r, :limits[r]], probs)  # matmuls of other shapes: ulps
     assert torch.equal(full[3], torch.zeros_like(full[3]))  # drafted nothing
-    greedy_tokens, greedy_probs = _propose_slowly(slow_drafter, reqs[0], limits[0])
-    assert block.tokens[0].tolist() == greedy_tokens and torch.equal(full[0], greedy_probs)  # one-hot
+    greedy_tokens, greedy_probs = _propose_slowly(slow_drafter, reqs[0], limits[0])  # probs: one-hot rows
+    assert block.tokens[0].tolist() == greedy_tokens == greedy_probs.argmax(-1).tolist()
+    assert torch.equal(full[0], torch.zeros_like(full[0]))  # left 0: verification compares a greedy row's tokens
 
 
 # --------------------------------------------------------------------------- loss by hand
@@ -476,3 +477,53 @@ def test_head_top_m_drafts_stay_lossless_and_inside_the_top_m(tiny, variant):
     assert (support <= 3).all() if variant != "dflash" else (support == tiny.vocab_size).all()
     with pytest.raises(ValueError, match="head_top_m"):
         DSparkDrafter(model, head_top_m=0)
+
+
+# --------------------------------------------------------------------------- the decoding fast paths
+
+
+def test_a_greedy_draft_is_the_argmax_of_the_whole_row_ties_included():
+    """``_first_best`` reads the M candidates' scores only and must pick what the argmax over the W-wide row (the
+    scores at the candidates, -inf elsewhere) picks: the smallest index among tied best scores."""
+    from dspark.drafters.dspark.drafter import _first_best
+
+    g = torch.Generator().manual_seed(3)
+    W, M = 50, 6
+    for _ in range(200):
+        cand = torch.stack([torch.randperm(W, generator=g)[:M] for _ in range(4)])  # (4, M)
+        scores = torch.randint(0, 3, (4, M), generator=g).to(torch.bfloat16)  # few values: ties are common
+        row = torch.full((4, W), float("-inf"), dtype=torch.bfloat16).scatter(-1, cand, scores)
+        assert _first_best(scores, cand).tolist() == row.float().argmax(-1).tolist()
+    full = torch.randn(3, W, generator=g)
+    assert torch.equal(_first_best(full, None), full.argmax(-1))
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN (prepacked CPU weights)")
+@pytest.mark.parametrize("dtype, head_dim", [(torch.float32, 8), (torch.bfloat16, 8), (torch.bfloat16, 16)])
+def test_the_decoding_layout_drafts_what_the_trained_layout_drafts(dtype, head_dim):
+    """A drafter loaded for decoding (fused projections, CPU kernels where built, prepacked weights) proposes the
+    greedy tokens of the same model in its trained layout, confidences within rounding, and refuses to be saved.
+    Heads of 16 take the C attention kernel in bf16 (every block of the batch in one call)."""
+    import copy
+
+    from dspark.modeling.packed import pack_all_linears
+
+    tiny = tiny_target(head_dim=head_dim)
+    model = tiny_dspark(tiny).to(dtype)
+    fast = copy.deepcopy(model)
+    fast.use_cpu_kernels()  # bf16: norms, residual adds and attention through the C kernels, where built
+    pack_all_linears(fast)
+    assert fast.layers[0].self_attn.kv_proj is not None and fast.layers[0].mlp.gate_up_proj is not None
+    greedy = SamplingParams(temperature=0.0)
+
+    def requests():
+        return [request_after(tiny, random_tokens(6 + 3 * i, seed=40 + i), LAYER_IDS, greedy) for i in range(3)]
+
+    with torch.inference_mode():
+        plain = DSparkDrafter(model).propose(requests(), [4, 2, 4])
+        decoding = DSparkDrafter(fast).propose(requests(), [4, 2, 4])
+    assert torch.equal(plain.tokens, decoding.tokens)
+    tol = 1e-4 if dtype == torch.float32 else 0.05  # bf16: the kernels round a norm by one step now and then
+    torch.testing.assert_close(plain.confidence_logits, decoding.confidence_logits, atol=tol, rtol=tol)
+    with pytest.raises(RuntimeError, match="loaded for decoding"):
+        fast.save_checkpoint("unused")

@@ -81,3 +81,22 @@ def test_the_demo_falls_back_to_float32_where_bf16_cannot_be_made_exact(demo_set
     assert "bfloat16 is not batch-invariant on this CPU; decoding in float32 instead" in captured.out
     assert "float32; DSpark head over" in captured.out
     assert "warning: on this CPU a bfloat16 one-token step" in captured.err  # load_target said why
+
+
+def test_the_demo_schedules_verification_on_a_profiled_step_unless_told_to_verify_everything(demo_setup, capsys):
+    """By default the DSpark and hybrid rows verify as Algorithm 1 plans on the step's cost profiled at the start;
+    ``--policy all`` verifies every draft; every row stays the plain text either way; a bad policy is one line."""
+    target_dir, ckpt, root = demo_setup
+    common = ["demo", "--target", str(target_dir), "--drafter", str(ckpt), "--work-dir", str(root / "w5"),
+              "--prompts-per-set", "1", "--max-new-tokens", "6"]
+    for policy, says in ((None, "verify as alg1 plans"), ("fixed:2", "verify as fixed:2 plans"),
+                         ("all", "verify every draft")):
+        assert main(common + ([] if policy is None else ["--policy", policy])) == 0
+        out = capsys.readouterr().out
+        assert f"the DSpark and hybrid rows {says}" in out, out
+        assert ("the step's cost profiled at one request for alg1" in out) == (policy is None), out
+        table = [line for line in out.splitlines() if line.startswith("| ") and "decoding" not in line]
+        assert len(table) == 4 and all(line.rstrip().endswith("| yes |") for line in table), out
+    assert main(common + ["--policy", "fastest"]) != 0
+    err = capsys.readouterr().err
+    assert "unknown policy 'fastest'" in err and "Traceback" not in err

@@ -147,11 +147,15 @@ class Attention(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(rope, d), persistent=False)
         self.rope_key = (tuple(dataclasses.astuple(rope)), d)  # layers with equal keys share RoPE tables
         self.qkv_proj: nn.Linear | None = None  # set by fuse_projections (inference)
+        self.kv_proj: nn.Linear | None = None  # k/v as one matmul: set by fuse_draft_projections (drafters' context)
 
     def project_q(self, x: torch.Tensor, positions: RopeInput) -> torch.Tensor:  # (N, Hq, D)
         return self._finish_q(self.q_proj(x), positions)
 
     def project_kv(self, x: torch.Tensor, positions: RopeInput) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.kv_proj is not None:
+            k, v = self.kv_proj(x).chunk(2, dim=-1)  # (N, Hkv*D) each
+            return self._finish_kv(k, v, positions)
         return self._finish_kv(self.k_proj(x), self.v_proj(x), positions)
 
     def project_qkv(
@@ -291,3 +295,14 @@ def fuse_projections(layers: nn.ModuleList) -> None:
         if m.gate_up_proj is None:
             m.gate_up_proj = _fused_linear([m.gate_proj, m.up_proj])
             del m.gate_proj, m.up_proj
+
+
+def fuse_draft_projections(layers: nn.ModuleList) -> None:
+    """``fuse_projections`` for a drafter's layers, whose keys and values are also projected from the context
+    alone (``DSparkModel.context_kv``): q/k/v, k/v and gate/up as one matmul each, the separate ones dropped.
+    Inference only, as ``fuse_projections``."""
+    for layer in layers:
+        a = layer.self_attn
+        if a.kv_proj is None and a.qkv_proj is None:
+            a.kv_proj = _fused_linear([a.k_proj, a.v_proj])
+    fuse_projections(layers)

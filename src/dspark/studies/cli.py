@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 
 from dspark.cli_options import add_drafter_options, add_target_options
+from dspark.scheduler.adapter import POLICY_HELP
 from dspark.studies import reproduce
 from dspark.studies.demo import run_demo
 from dspark.target.presets import DEFAULT_TARGET
@@ -68,5 +69,9 @@ def add_demo(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--draft-vocab-size", type=int, default=4096, metavar="N",
                    help="without --draft-vocab, build one of N tokens from the drafter's own training data "
                    "(its train_config.json), 0 = draft from the whole vocabulary (default: %(default)s)")
+    p.add_argument("--policy", default="alg1", metavar="POLICY",
+                   help=f"how the DSpark and hybrid rows choose how many drafts to verify: {POLICY_HELP}; alg1 and "
+                   "async plan on the whole step's cost profiled on this machine at the start (a few seconds) and "
+                   "the drafter's sts.json; all = verify every draft (default: %(default)s)")
     # the cheapest drafting measured on a CPU (docs/reports/performance.md); --head-top-m 0 undoes it
     p.set_defaults(func=run_demo, head_top_m=64)

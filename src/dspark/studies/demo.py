@@ -105,6 +105,27 @@ def _train_demo_drafter(args: argparse.Namespace, target, work: Path) -> Path:
     return train(cfg, resume=True, target=target)  # an unfinished demo training continues; none: step 0
 
 
+def _policies(args: argparse.Namespace, target, dspark, ckpt: Path) -> tuple:
+    """The verify policies of the DSpark row and the hybrid row (one each: a policy keeps per-request records), or
+    (None, None) for ``--policy all``. The schedulers plan on this machine's step cost, profiled now at one request
+    (the demo decodes one prompt at a time), and on the drafter's STS temperatures when it has an sts.json."""
+    from dspark.generation.step_profile import load_or_profile_cost
+    from dspark.scheduler.adapter import make_policy, parse_policy
+    from dspark.scheduler.sts import load_sts_json
+
+    spec = parse_policy(args.policy)
+    if spec.kind == "all":
+        return None, None
+    cost = None
+    if spec.kind in ("alg1", "async"):
+        t0 = time.perf_counter()
+        cost = load_or_profile_cost(None, target, dspark, 1, log=lambda _: None)
+        print(f"[demo] the step's cost profiled at one request for {args.policy} ({time.perf_counter() - t0:.0f} s)")
+    sts_file = ckpt / "sts.json"
+    sts = load_sts_json(sts_file, dspark.block_size) if sts_file.is_file() else None
+    return make_policy(args.policy, cost, sts), make_policy(args.policy, cost, sts)
+
+
 def run_demo(args: argparse.Namespace) -> int:
     import torch
 
@@ -117,7 +138,10 @@ def run_demo(args: argparse.Namespace) -> int:
     from dspark.sampling.processing import SamplingParams
     from dspark.target.model import cpu_has_bf16_matmul
 
+    from dspark.scheduler.adapter import parse_policy
+
     t_start = time.perf_counter()
+    parse_policy(args.policy)  # a bad --policy fails before anything loads
     auto_bf16 = args.dtype is None and resolve_device(args.device) == "cpu" and cpu_has_bf16_matmul()
     if auto_bf16:  # bf16 where it is fast and can be made exact, else float32
         args.dtype = "bfloat16"
@@ -135,19 +159,19 @@ def run_demo(args: argparse.Namespace) -> int:
     print(f"[demo] DSpark drafter: {ckpt}")
     dspark = load_drafter(str(ckpt), target, drafting_options(
         args, hybrid=False, draft_vocab=_draft_vocab(args, ckpt, target, work)))
-    drafters = {
-        "plain (no drafter)": NoDrafter(target.vocab_size),
-        "prompt lookup": PromptLookupDrafter(target.vocab_size, 7),
-        "DSpark": dspark,
-        "hybrid (prompt lookup on repeats, else DSpark)": HybridDrafter(
-            dspark, target.vocab_size, min_ngram=args.hybrid_min_ngram),
-    }
+    hybrid = HybridDrafter(dspark, target.vocab_size, min_ngram=args.hybrid_min_ngram)
     prompts = []
     for name in DEMO_SETS:
         for s in load_eval_dataset(name, limit=args.prompts_per_set).samples:
             prompts.append((name, target.encode_chat(s.prompt)))
     sp = SamplingParams(temperature=0.0, max_new_tokens=args.max_new_tokens)
-    gens = {label: SpeculativeGenerator(target, drafter) for label, drafter in drafters.items()}
+    policies = _policies(args, target, dspark, ckpt)  # the DSpark row's and the hybrid row's (None: verify all)
+    gens = {
+        "plain (no drafter)": SpeculativeGenerator(target, NoDrafter(target.vocab_size)),
+        "prompt lookup": SpeculativeGenerator(target, PromptLookupDrafter(target.vocab_size, 7)),
+        "DSpark": SpeculativeGenerator(target, dspark, policies[0]),
+        "hybrid (prompt lookup on repeats, else DSpark)": SpeculativeGenerator(target, hybrid, policies[1]),
+    }
     for gen in gens.values():  # warm-up
         gen.generate([prompts[0][1]], SamplingParams(temperature=0.0, max_new_tokens=4))
     # each prompt through every row in turn: a slow spell of the machine (other tenants, clock changes) then slows
@@ -171,7 +195,8 @@ def run_demo(args: argparse.Namespace) -> int:
     print(f"\n{len(prompts)} prompts ({', '.join(DEMO_SETS)}), greedy, {args.max_new_tokens} new tokens max, "
           f"{args.dtype}{', compiled' if args.compile else ''}; DSpark head over "
           f"{f'the top {top_m}' if top_m else 'all'} tokens, draft vocabulary of "
-          f"{'all' if vocab is None else len(vocab)} tokens\n")
+          f"{'all' if vocab is None else len(vocab)} tokens; the DSpark and hybrid rows verify "
+          f"{'every draft' if policies[0] is None else f'as {args.policy} plans'}\n")
     table = [[label, fmt(tau), fmt(tps, 1), f"{fmt(tps / base)}x",
               "yes" if same == len(prompts) else f"{same}/{len(prompts)} prompts"] for label, tau, tps, same in rows]
     print("\n".join(markdown_table(["decoding", "acceptance length", "tokens/s", "speedup", "same text as plain"],

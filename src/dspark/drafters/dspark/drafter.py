@@ -155,29 +155,44 @@ class DSparkDrafter:
 
         prev = torch.tensor([req.anchor for req in requests], dtype=torch.long, device=dev)  # x_{-1} = anchor
         base, cand = self._base_logits(hidden[:, :K].reshape(R * K, -1), R, K)  # (R, K, W), (R, K, M) or None
+        if m.markov_head is None:
+            cand = None  # DFlash: every slot drafts from U_k over all W
         settings = torch.tensor([[r.sampling.temperature, r.sampling.top_k, r.sampling.top_p] for r in requests],
                                 dtype=torch.float64)  # (R, 3)
         temps, top_k, top_p = settings[:, 0].float(), settings[:, 1].long(), settings[:, 2].float()  # (R,) each
-        state = None
+        greedy = [r.sampling.greedy for r in requests]
+        state, prevs = None, []  # prevs[k]: (R,) x_{k-1} of every request
         for k in range(K):
-            state, logits, conf = m.head_step(state, hidden[:, k], prev, base[:, k],
-                                              None if cand is None else cand[:, k])  # (R, W), (R,)
-            if conf_logits is not None:
-                conf_logits[:, k] = conf
+            prevs.append(prev)
+            state, scores = m.head_scores(state, hidden[:, k], prev, base[:, k],
+                                          None if cand is None else cand[:, k])  # (R, M) or (R, W)
             act = [r for r in range(R) if k < want[r]]  # the requests that draft position k
+            w = torch.empty(len(act), dtype=torch.long, device=dev)  # (A,) their draft indices
+            # greedy rows: the first best index over W, i.e. the one-hot argmax `logits_to_probs_rows` gives them,
+            # read off the M candidates' scores without spreading them over W
+            g = [i for i, r in enumerate(act) if greedy[r]]
+            if g:
+                gi = torch.tensor(g, device=dev) if len(g) < len(act) else slice(None)
+                gr = torch.tensor([act[i] for i in g], device=dev) if len(g) < R else slice(None)
+                w[gi] = _first_best(scores[gr], None if cand is None else cand[gr, k])  # their draft_probs stay 0
+            if len(g) < len(act):  # sampled rows: eq. (4) over W, each row with its own settings (row by row: what
+                # a call of its own gives); then one uniform per request from its generator, in request order
+                si = [i for i, r in enumerate(act) if not greedy[r]]
+                sr = torch.tensor([act[i] for i in si], device=dev)  # (S,)
+                logits = scores[sr] if cand is None else torch.full_like(base[sr, k], float("-inf")).scatter_(
+                    -1, cand[sr, k], scores[sr])  # (S, W)
+                probs = logits_to_probs_rows(logits, temps[sr], top_k[sr], top_p[sr])  # (S, W)
+                uniforms = torch.cat([draw_uniforms(requests[act[i]].generator).cpu() for i in si])  # (S,)
+                w[torch.tensor(si, device=dev)] = sample_with_uniforms(probs, uniforms)
+                draft_probs[sr, k] = probs.to(draft_probs.dtype)  # the distribution sampled from, over V or W
             rows = slice(None) if len(act) == R else torch.tensor(act, device=dev)  # (A,)
-            # eq. (4) for every drafting request in one call, each row with its own settings (row by row: what a
-            # call of its own gives); then one uniform per request from its generator, in request order
-            probs = logits_to_probs_rows(logits[rows], temps[rows], top_k[rows], top_p[rows])  # (A, W)
-            uniforms = torch.cat([draw_uniforms(requests[r].generator).cpu() for r in act])  # (A,)
-            w = sample_with_uniforms(probs, uniforms)  # (A,)
             tok = w if vocab is None else vocab[w]
             tokens[rows, k] = tok
             prev = prev.clone()
             prev[rows] = tok
-            draft_probs[rows, k] = probs.to(draft_probs.dtype)  # the distribution sampled from, over V or W
-        if conf_logits is not None:
-            conf_logits *= torch.arange(K, device=dev)[None, :] < num_tokens[:, None]
+        if conf_logits is not None:  # eq. (7) for every slot in one call: it reads h_k and x_{k-1} only
+            conf = m.confidence_logits(hidden[:, :K].reshape(R * K, -1), torch.stack(prevs, dim=1).view(-1))
+            conf_logits = conf.view(R, K) * (torch.arange(K, device=dev)[None, :] < num_tokens[:, None])
         return DraftBlock(tokens, num_tokens, draft_probs, conf_logits, vocab)
 
     def _base_logits(self, hidden: torch.Tensor, R: int, K: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -188,6 +203,15 @@ class DSparkDrafter:
         return base, (base.topk(min(top_m, base.shape[-1]), dim=-1).indices if top_m else None)
 
 
+def _first_best(scores: torch.Tensor, candidates: torch.Tensor | None) -> torch.Tensor:
+    """The argmax over W of rows whose logits are ``scores`` at ``candidates`` and -inf elsewhere: (N, M), (N, M) ->
+    (N,) draft indices, the smallest index among tied best scores (as ``argmax`` of the whole row picks)."""
+    if candidates is None:  # (N, W): the scores are the whole row
+        return scores.argmax(-1)
+    best = scores == scores.max(-1, keepdim=True).values  # (N, M)
+    return torch.where(best, candidates, torch.iinfo(candidates.dtype).max).min(-1).values
+
+
 def load_dspark_drafter(path: str | Path, target, block_size: int | None = None,
                         head_top_m: int | None = None, draft_vocab: list[int] | None = None,
                         pack: bool = True) -> DSparkDrafter:
@@ -195,12 +219,14 @@ def load_dspark_drafter(path: str | Path, target, block_size: int | None = None,
 
     ``block_size`` None = the checkpoint's; smaller values propose fewer tokens per step
     (the trained block still runs in full). ``head_top_m``: see ``DSparkDrafter``. A drafter for decoding: on
-    the CPU its linear layers are prepacked (``pack_all_linears``; ``pack=False`` keeps them plain), so it is not
+    the CPU its projections are fused, its norms run through the fused CPU kernels (``DSparkModel.use_cpu_kernels``)
+    and its linear layers are prepacked (``pack_all_linears``; ``pack=False`` keeps all of it plain), so it is not
     for training.
     """
     model = DSparkModel.from_checkpoint(Path(path), target)
     drafter = DSparkDrafter(model.to(device=target.device, dtype=target.dtype), block_size, head_top_m, draft_vocab)
-    if pack:  # CPU: weights reordered once for oneDNN (dspark.modeling.packed)
+    if pack and target.device.type == "cpu":  # the decoding layout: fused projections and CPU kernels, then
+        drafter.model.use_cpu_kernels()  # weights reordered once for oneDNN (dspark.modeling.packed)
         pack_all_linears(drafter.model)
     return drafter
 

@@ -67,8 +67,9 @@ from dspark.drafters.dspark.config import DRAFT_KEYS, DSparkConfig, config_from_
 from dspark.drafters.dspark.heads import ConfidenceHead, MarkovHead
 from dspark.drafters.sample import TrainSample
 from dspark.errors import IncompatibleModelsError, ModelLoadError
+from dspark.modeling import cpu_kernels
 from dspark.modeling.attention import BatchLayout, batched_attention
-from dspark.modeling.layers import DecoderLayer, RMSNorm, Rope, RopeInput
+from dspark.modeling.layers import DecoderLayer, RMSNorm, Rope, RopeInput, fuse_draft_projections
 from dspark.modeling.spec import DecoderSpec, spec_from_config
 from dspark.modeling.weights import read_config
 
@@ -127,6 +128,9 @@ class DSparkModel(nn.Module):
         r = config.markov_rank
         self.markov_head = MarkovHead(W, r, H, config.markov_head_type) if r > 0 else None
         self.target_fingerprint: list[float] | None = None  # target_fingerprint() of the target it was made for
+        self.cpu_kernels = False  # decoding rows through dspark.modeling.cpu_kernels (use_cpu_kernels)
+        self.attention_kernel = False  # and the blocks' attention through cpu_kernels.attention (use_cpu_kernels)
+        self.decoding_layout = False  # projections fused for decoding (use_cpu_kernels): not for saving or training
         self.confidence_head = None
         if config.enable_confidence_head:
             self.confidence_head = ConfidenceHead(H + (r if config.confidence_head_with_markov else 0))
@@ -212,7 +216,10 @@ class DSparkModel(nn.Module):
         return x
 
     def project_context(self, features: torch.Tensor) -> torch.Tensor:  # (n, F) -> (n, H)
-        return self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+        context = self.fc(features.to(self.fc.weight.dtype))
+        if self._fused_rows(context):
+            return cpu_kernels.rms_norm(context, self.hidden_norm.weight, self.hidden_norm.eps)
+        return self.hidden_norm(context)
 
     def context_kv(self, layer_idx: int, context: torch.Tensor, positions: RopeInput
                    ) -> tuple[torch.Tensor, torch.Tensor]:  # (n, H), (n,) or its (cos, sin) -> k, v (Hkv, n, D)
@@ -227,15 +234,24 @@ class DSparkModel(nn.Module):
         layout: BatchLayout | None = None,  # decoding: the context caches' pool; one attention call per layer
     ) -> torch.Tensor:  # (Q, H) final-normed hidden states h_k
         rope = Rope(positions)  # cos/sin once per forward, shared by the layers
+        fused = self._fused_rows(x)
+        if fused:  # h: the normed input of the next layer, x: the residual stream
+            norm = self.layers[0].input_layernorm
+            h = cpu_kernels.rms_norm(x, norm.weight, norm.eps)
         for layer_idx, layer in enumerate(self.layers):
             attn = layer.self_attn
-            h = layer.input_layernorm(x)
+            if not fused:
+                h = layer.input_layernorm(x)
             cos_sin = rope.for_layer(attn, h.dtype)
-            q = attn.project_q(h, cos_sin)  # (Q, Hq, D)
-            k, v = attn.project_kv(h, cos_sin)  # (Q, Hkv, D)
+            q, k, v = attn.project_qkv(h, cos_sin)  # (Q, Hq, D), (Q, Hkv, D) x2
             if layout is not None:  # the blocks' keys go after each context in its slot (beyond its length)
                 keys, values = layout.store_and_read(layer_idx, k, v)  # (R, Hkv, S, D) x2
-                attn_out = batched_attention(q, keys, values, layout, attn.scale, attn.window, attn.softcap)
+                if fused and self.attention_kernel and layout.pool is not None:  # every request in one C call
+                    lo, hi, offsets, work = layout.kernel_ranges(attn.window)  # a block reads its context and itself
+                    attn_out = cpu_kernels.attention(q.contiguous(), keys, values, layout.slots, offsets, lo, hi,
+                                                     attn.scale, work)
+                else:
+                    attn_out = batched_attention(q, keys, values, layout, attn.scale, attn.window, attn.softcap)
             else:
                 outs, offset = [], 0
                 for g in groups:
@@ -246,9 +262,34 @@ class DSparkModel(nn.Module):
                     outs.append(attn.attend(q[sl].transpose(0, 1), keys, values, g.mask))
                     offset += g.num_queries
                 attn_out = torch.cat(outs) if len(outs) > 1 else outs[0]
-            x = layer.attn_residual(x, attn_out)
-            x = layer.mlp_residual(x)
-        return self.norm(x)
+            if fused:  # each residual add and the norm after it in one pass
+                following = self.layers[layer_idx + 1].input_layernorm if layer_idx + 1 < len(self.layers) else self.norm
+                x, h = layer.post_attention_fused(x, attn_out, following)
+            else:
+                x = layer.attn_residual(x, attn_out)
+                x = layer.mlp_residual(x)
+        return h if fused else self.norm(x)
+
+    def use_cpu_kernels(self, on: bool = True) -> bool:
+        """Decoding on the CPU: the fused layout (``fuse_draft_projections``) and, where this drafter's layers can
+        take them (plain RMSNorms, SiLU, no sandwich norms) and they are built here, the fused CPU kernels
+        (``dspark.modeling.cpu_kernels``) for the backbone's norms and residual adds, and its attention kernel for
+        every block of the batch in one call (``DSPARK_ATTENTION_KERNEL=0`` leaves it to torch's fused attention).
+        Returns whether the kernels are on.
+        The projections are then fused ones, so the model is for decoding only (not saved or trained)."""
+        fuse_draft_projections(self.layers)
+        self.decoding_layout = True
+        s = self.spec
+        fits = s.norm_offset == 0 and not s.sandwich_norms and s.hidden_act == "silu"
+        self.cpu_kernels = bool(on and fits and cpu_kernels.available())
+        attn = self.layers[0].self_attn
+        self.attention_kernel = (self.cpu_kernels and attn.softcap is None
+                                 and cpu_kernels.attention_takes(attn.head_dim))
+        return self.cpu_kernels
+
+    def _fused_rows(self, x: torch.Tensor) -> bool:  # (Q, H): bf16 decoding rows on the CPU, no gradients
+        return (self.cpu_kernels and x.dtype == torch.bfloat16 and x.device.type == "cpu"
+                and not torch.is_grad_enabled())
 
     def base_logits(self, hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """U_k: (..., H) -> (..., W); with ``rows`` (M, H), some rows of the LM head, -> (..., M) for those only."""
@@ -289,19 +330,34 @@ class DSparkModel(nn.Module):
         not an approximation the verifier has to know about: the returned logits are what is sampled from
         and reported, so rejection sampling stays lossless. It skips the V x r product of the head.
         """
+        if base is None:
+            base = self.base_logits(hidden)
+        if self.markov_head is None:  # no sequential head: U_k over every token
+            candidates = None
+        state, scores = self.head_scores(state, hidden, prev, base, candidates)
+        logits = scores if candidates is None else torch.full_like(base, float("-inf")).scatter_(-1, candidates, scores)
+        return state, logits, self.confidence_logits(hidden, prev)
+
+    def head_scores(
+        self,
+        state: torch.Tensor | None,  # (N, r) RNN state or None
+        hidden: torch.Tensor,  # (N, H) h_k
+        prev: torch.Tensor,  # (N,) x_{k-1}, token ids
+        base: torch.Tensor,  # (N, W) U_k
+        candidates: torch.Tensor | None = None,  # (N, M) draft indices w
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:  # state, U_k + B_k: (N, W), or (N, M) at the candidates only
+        """``head_step``'s logits before they are spread over the draft vocabulary: with ``candidates`` only the M
+        scores the step drafts from (a greedy draft is the best of them, and needs nothing W wide), no confidence.
+        """
         latent = None
         if self.markov_head is not None:
             state, latent = self.markov_head.step(state, hidden, self.draft_index(prev))
-        if base is None:
-            base = self.base_logits(hidden)
-        if latent is None:
-            logits = base
-        elif candidates is None:
-            logits = base + self.markov_head.bias(latent).to(base.dtype)
-        else:
-            picked = base.gather(-1, candidates) + self.markov_head.bias_at(latent, candidates).to(base.dtype)
-            logits = torch.full_like(base, float("-inf")).scatter_(-1, candidates, picked)
-        return state, logits, self.confidence_logits(hidden, prev)
+        if candidates is None:
+            return state, base if latent is None else base + self.markov_head.bias(latent).to(base.dtype)
+        picked = base.gather(-1, candidates)  # (N, M)
+        if latent is not None:
+            picked = picked + self.markov_head.bias_at(latent, candidates).to(base.dtype)
+        return state, picked
 
     # ----------------------------------------------------------------- training
 
@@ -401,6 +457,9 @@ class DSparkModel(nn.Module):
         With a draft vocabulary the frozen embed_tokens and lm_head are left out (the loader copies them
         from the target) and ``draft_vocab`` (W,) int64 is stored: a DSpark-only checkpoint. Without one
         every tensor is written, DeepSpec's layout."""
+        if self.decoding_layout:
+            raise RuntimeError("this drafter was loaded for decoding (fused projections, prepacked weights); save "
+                               "the model it was loaded from, or load it with load_dspark_drafter(..., pack=False)")
         state = self.state_dict()
         if self.draft_vocab is not None:
             state = {k: v for k, v in state.items() if not k.startswith(FROZEN_PREFIXES)}
