@@ -5,8 +5,11 @@ Prepares the default target, takes the shipped reference drafter
 another, ``--train`` trains a small one from scratch in a few minutes), decodes
 a few evaluation prompts with plain decoding, prompt lookup, DSpark and hybrid
 drafting (prompt lookup where the answer repeats its context, DSpark elsewhere),
-and prints acceptance length and speedup. Greedy, so every row must produce the
-target's own text, exactly, and the demo fails otherwise. On a CPU with bf16
+and prints acceptance length and speedup. The DSpark and hybrid rows verify as
+``--policy`` plans: by default Algorithm 1 on the whole step's cost, profiled at
+the start at one request, and the drafter's ``sts.json``; ``all`` verifies every
+draft. Greedy, so every row must produce the target's own text, exactly, and the
+demo fails otherwise. On a CPU with bf16
 matmul units it decodes in bfloat16 with one-token steps computed as verify
 blocks compute their rows (``TargetModel.make_batch_invariant``, checked on
 the model at load), the faster of the two exact settings there (README; the
@@ -136,9 +139,8 @@ def run_demo(args: argparse.Namespace) -> int:
     from dspark.data.eval_sets import load_eval_dataset
     from dspark.generation.generator import SpeculativeGenerator
     from dspark.sampling.processing import SamplingParams
-    from dspark.target.model import cpu_has_bf16_matmul
-
     from dspark.scheduler.adapter import parse_policy
+    from dspark.target.model import cpu_has_bf16_matmul
 
     t_start = time.perf_counter()
     parse_policy(args.policy)  # a bad --policy fails before anything loads

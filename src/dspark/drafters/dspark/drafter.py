@@ -13,7 +13,11 @@ the whole context (positions 0..start-1) with no mask. The sequential head then
 samples left to right, eq. (4): draft k comes from
 ``logits_to_probs(U_k + B_k(x_{k-1}))`` with the request's sampling parameters and
 generator; those exact distributions are returned as ``draft_probs``, so the
-rejection sampler stays lossless. DFlash (no head) samples every slot from U_k.
+rejection sampler stays lossless. A greedy request takes the argmax (with a top-M
+head, the best of the M candidates' scores) and its ``draft_probs`` rows stay 0:
+verification compares its tokens. DFlash (no head) samples every slot from U_k.
+A drafter loaded for decoding on the CPU runs in the target's decoding layout
+(``DSparkModel.use_cpu_kernels``: fused projections, the fused CPU kernels).
 
 Draft vocabulary: a checkpoint that carries one (``draft_vocab`` in model.safetensors)
 drafts from its W tokens; a full-vocabulary model given ``draft_vocab`` ids (``--draft-vocab
