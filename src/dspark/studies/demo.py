@@ -122,7 +122,9 @@ def _policies(args: argparse.Namespace, target, dspark, ckpt: Path) -> tuple:
     cost = None
     if spec.kind in ("alg1", "async"):
         t0 = time.perf_counter()
-        cost = load_or_profile_cost(None, target, dspark, 1, log=lambda _: None)
+        # 9 timed steps per point (a few seconds): with 3, one slow spell of the machine in one point could move the
+        # plan of the whole run (a verify length priced far above its neighbours is then never chosen)
+        cost = load_or_profile_cost(None, target, dspark, 1, repeats=9, log=lambda _: None)
         print(f"[demo] the step's cost profiled at one request for {args.policy} ({time.perf_counter() - t0:.0f} s)")
     sts_file = ckpt / "sts.json"
     sts = load_sts_json(sts_file, dspark.block_size) if sts_file.is_file() else None
