@@ -420,6 +420,17 @@ def attention_work(last_key: int) -> torch.Tensor:
     forward and share between the layers."""
     return torch.empty(8 * (last_key + 2 * _LANES), dtype=torch.float32)  # MAX_ROWS rows of scores
 
+def layers_fit(spec) -> bool:
+    """Whether a decoder's layers (a ``DecoderSpec``) can take the element-wise kernels: plain RMSNorms (no offset, no
+    sandwich norms) and SiLU. Callers add what their own fused path needs (the target: no q/k norms)."""
+    return spec.norm_offset == 0 and not spec.sandwich_norms and spec.hidden_act == "silu"
+
+
+def attention_fits(attn) -> bool:
+    """Whether an ``Attention``'s heads can go through ``attention``: no soft-capping, a head size it serves."""
+    return attn.softcap is None and attention_takes(attn.head_dim)
+
+
 def attention_takes(head_dim: int) -> bool:
     """Whether ``attention`` serves heads of this size (a multiple of 16, at most 128) here:
     ``DSPARK_ATTENTION_KERNEL=0`` leaves attention to torch's SDPA."""

@@ -71,12 +71,11 @@ class Decoder(nn.Module):
         """Turn the fused CPU kernels on where this model can take them (the fused layout, plain RMSNorms, SiLU,
         no q/k norms or sandwich norms) and they are built here; returns whether they are on."""
         s = self.spec
-        fits = (s.norm_offset == 0 and not s.sandwich_norms and s.hidden_act == "silu" and not s.qk_norm
+        fits = (cpu_kernels.layers_fit(s) and not s.qk_norm
                 and all(layer.self_attn.qkv_proj is not None and layer.mlp.gate_up_proj is not None
                         for layer in self.layers))
         self.cpu_kernels = bool(on and fits and cpu_kernels.available())
-        attn = self.layers[0].self_attn
-        self.attention_kernel = self.cpu_kernels and attn.softcap is None and cpu_kernels.attention_takes(attn.head_dim)
+        self.attention_kernel = self.cpu_kernels and cpu_kernels.attention_fits(self.layers[0].self_attn)
         return self.cpu_kernels
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # (N,) -> (N, H)

@@ -108,15 +108,14 @@ def _train_demo_drafter(args: argparse.Namespace, target, work: Path) -> Path:
     return train(cfg, resume=True, target=target)  # an unfinished demo training continues; none: step 0
 
 
-def _policies(args: argparse.Namespace, target, dspark, ckpt: Path) -> tuple:
+def _policies(args: argparse.Namespace, spec, target, dspark, ckpt: Path) -> tuple:
     """The verify policies of the DSpark row and the hybrid row (one each: a policy keeps per-request records), or
     (None, None) for ``--policy all``. The schedulers plan on this machine's step cost, profiled now at one request
     (the demo decodes one prompt at a time), and on the drafter's STS temperatures when it has an sts.json."""
     from dspark.generation.step_profile import load_or_profile_cost
-    from dspark.scheduler.adapter import make_policy, parse_policy
+    from dspark.scheduler.adapter import make_policy
     from dspark.scheduler.sts import load_sts_json
 
-    spec = parse_policy(args.policy)
     if spec.kind == "all":
         return None, None
     cost = None
@@ -145,7 +144,7 @@ def run_demo(args: argparse.Namespace) -> int:
     from dspark.target.model import cpu_has_bf16_matmul
 
     t_start = time.perf_counter()
-    parse_policy(args.policy)  # a bad --policy fails before anything loads
+    policy_spec = parse_policy(args.policy)  # a bad --policy fails before anything loads
     auto_bf16 = args.dtype is None and resolve_device(args.device) == "cpu" and cpu_has_bf16_matmul()
     if auto_bf16:  # bf16 where it is fast and can be made exact, else float32
         args.dtype = "bfloat16"
@@ -169,7 +168,7 @@ def run_demo(args: argparse.Namespace) -> int:
         for s in load_eval_dataset(name, limit=args.prompts_per_set).samples:
             prompts.append((name, target.encode_chat(s.prompt)))
     sp = SamplingParams(temperature=0.0, max_new_tokens=args.max_new_tokens)
-    policies = _policies(args, target, dspark, ckpt)  # the DSpark row's and the hybrid row's (None: verify all)
+    policies = _policies(args, policy_spec, target, dspark, ckpt)  # the DSpark row's and the hybrid row's (None: verify all)
     gens = {
         "plain (no drafter)": SpeculativeGenerator(target, NoDrafter(target.vocab_size)),
         "prompt lookup": SpeculativeGenerator(target, PromptLookupDrafter(target.vocab_size, 7)),

@@ -158,9 +158,8 @@ class DSparkDrafter:
         hidden = hidden[:, m.config.slot_offset:]  # slot 0 drafts nothing in an anchor + k checkpoint
 
         prev = torch.tensor([req.anchor for req in requests], dtype=torch.long, device=dev)  # x_{-1} = anchor
+        # cand None without a top-M head (DFlash has none: its head_top_m is None): every slot drafts over all W
         base, cand = self._base_logits(hidden[:, :K].reshape(R * K, -1), R, K)  # (R, K, W), (R, K, M) or None
-        if m.markov_head is None:
-            cand = None  # DFlash: every slot drafts from U_k over all W
         settings = torch.tensor([[r.sampling.temperature, r.sampling.top_k, r.sampling.top_p] for r in requests],
                                 dtype=torch.float64)  # (R, 3)
         temps, top_k, top_p = settings[:, 0].float(), settings[:, 1].long(), settings[:, 2].float()  # (R,) each

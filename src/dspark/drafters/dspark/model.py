@@ -130,7 +130,6 @@ class DSparkModel(nn.Module):
         self.target_fingerprint: list[float] | None = None  # target_fingerprint() of the target it was made for
         self.cpu_kernels = False  # decoding rows through dspark.modeling.cpu_kernels (use_cpu_kernels)
         self.attention_kernel = False  # and the blocks' attention through cpu_kernels.attention (use_cpu_kernels)
-        self.decoding_layout = False  # projections fused for decoding (use_cpu_kernels): not for saving or training
         self.confidence_head = None
         if config.enable_confidence_head:
             self.confidence_head = ConfidenceHead(H + (r if config.confidence_head_with_markov else 0))
@@ -278,14 +277,14 @@ class DSparkModel(nn.Module):
         Returns whether the kernels are on.
         The projections are then fused ones, so the model is for decoding only (not saved or trained)."""
         fuse_draft_projections(self.layers)
-        self.decoding_layout = True
-        s = self.spec
-        fits = s.norm_offset == 0 and not s.sandwich_norms and s.hidden_act == "silu"
-        self.cpu_kernels = bool(on and fits and cpu_kernels.available())
-        attn = self.layers[0].self_attn
-        self.attention_kernel = (self.cpu_kernels and attn.softcap is None
-                                 and cpu_kernels.attention_takes(attn.head_dim))
+        self.cpu_kernels = bool(on and cpu_kernels.layers_fit(self.spec) and cpu_kernels.available())
+        self.attention_kernel = self.cpu_kernels and cpu_kernels.attention_fits(self.layers[0].self_attn)
         return self.cpu_kernels
+
+    @property
+    def decoding_layout(self) -> bool:
+        """Whether the projections are fused for decoding (``use_cpu_kernels``): then not for saving or training."""
+        return self.layers[0].self_attn.qkv_proj is not None
 
     def _fused_rows(self, x: torch.Tensor) -> bool:  # (Q, H): bf16 decoding rows on the CPU, no gradients
         return (self.cpu_kernels and x.dtype == torch.bfloat16 and x.device.type == "cpu"
