@@ -6,7 +6,7 @@
     PYTHONPATH=src python scripts/propose_time.py --plain-layout        # the drafter unfused and unpacked
 
 SmolLM2-135M in bf16 (fused, prepacked) with checkpoints/smollm2-135m-dspark (head over its top 64 tokens, as the
-demo runs it), one thread; each request has a 200-token context of the first turn of an evaluation prompt and its
+demo runs it; ``--head-top-m 0``: over all W, as `dspark serve` runs it by default), one thread; each request has a 200-token context of the first turn of an evaluation prompt and its
 own settings, mixed greedy / temperature 1 / temperature 0.7 with top-k 50 / temperature 1 with top-p 0.9 and a
 seeded generator (``--greedy``: all greedy). Prints the median milliseconds of 20 proposals after 3 warm-up ones per
 R, a checksum of the proposed tokens (equal checksums: the same drafts) and the sum of the confidence logits. ``--catch-up N``: before each proposal
@@ -29,6 +29,9 @@ def main() -> None:
     p.add_argument("--drafts", type=int, default=7)
     p.add_argument("--greedy", action="store_true", help="every request greedy")
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--head-top-m", type=int, default=64, metavar="M",
+                   help="the sequential head drafts among the top M tokens of U_k; 0 = all W, `dspark serve`'s "
+                   "default (default: %(default)s, the demo's)")
     p.add_argument("--plain-layout", action="store_true",
                    help="load the drafter unpacked and unfused (load_dspark_drafter(pack=False)): the layout the "
                    "trainer's model has, for comparing drafts across commits without the fused layout's rounding")
@@ -50,10 +53,11 @@ def main() -> None:
     if args.plain_layout:
         from dspark.drafters.dspark.drafter import load_dspark_drafter
 
-        drafter = load_dspark_drafter("checkpoints/smollm2-135m-dspark", target, head_top_m=64, pack=False)
+        drafter = load_dspark_drafter("checkpoints/smollm2-135m-dspark", target, head_top_m=args.head_top_m or None,
+                                      pack=False)
     else:
         drafter = load_drafter("checkpoints/smollm2-135m-dspark", target,
-                               DraftingOptions(head_top_m=64, dtype="bfloat16"))
+                               DraftingOptions(head_top_m=args.head_top_m, dtype="bfloat16"))
     texts = [s.prompt for s in load_eval_dataset("mt-bench", limit=40).samples]
     mixed = [dict(temperature=0.0), dict(temperature=1.0), dict(temperature=0.7, top_k=50),
              dict(temperature=1.0, top_p=0.9)]

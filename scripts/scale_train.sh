@@ -17,6 +17,7 @@
 #   PROCS=2 bash scripts/scale_train.sh depth2-regen-all  # the same at the largest point: regen-all's DSpark with
 #                                                # 2 draft layers (dspark2-regen-R3 after slice R3)
 #   PROCS=2 bash scripts/scale_train.sh depth2-dflash-regen-all  # its DFlash twin at equal depth (dflash2-regen-R4)
+#   PROCS=2 bash scripts/scale_train.sh depth3-regen-all  # any depth N = 2..9 the same way (dspark3-regen-R4)
 #   bash scripts/scale_train.sh layer-target-330 # DSpark with the target family's draft layer (dsparktl-330)
 #   bash scripts/scale_train.sh regen            # DSpark and DFlash on the on-policy slices (dspark-regen, dflash-regen)
 #   bash scripts/scale_train.sh regen-cont       # both continued on every slice from dspark-regen / dflash-regen
@@ -29,7 +30,10 @@
 #                                                # CONT_EPOCHS=1 pass, CONT_LR=3e-4, fresh optimizer and schedule,
 #                                                # its own draft vocabulary): a fresh machine's shortest way to use
 #                                                # new answers, since the shipped weights are in git; NAME=... names
-#                                                # the run instead (a second warm start from INIT=runs/.../step_latest)
+#                                                # the run instead (a second warm start from INIT=runs/.../step_latest);
+#                                                # LAYERS=3 grows the drafter (new layers start as no-ops), SLICES="R1"
+#                                                # trains on those slices only, SETS="--set model.num_anchors=64" adds
+#                                                # training settings (the warm-start ablation of training-scale.md)
 #   bash scripts/scale_train.sh regen-next       # the continued runs (*-regen-cont) one pass further on the newest
 #                                                # slice only (*-regen-cont-R3 for slice R3; CONT_LR, KINDS as above)
 set -euo pipefail
@@ -83,12 +87,12 @@ for p in "${points[@]}"; do
     train "dsparktl-$n" smollm2-dspark-markov "$(caches_for "$n")" "$n" --set model.draft_layer=target
     continue
   fi
-  if [ "$p" = depth2-regen-all ] || [ "$p" = depth2-dflash-regen-all ]; then  # the depth ablation at the largest
-    kind=dspark preset=smollm2-dspark-markov  # point: regen-all's DSpark with 2 draft layers, or its DFlash twin
-    [ "$p" = depth2-dflash-regen-all ] && kind=dflash preset=smollm2-dflash
+  if [[ "$p" =~ ^depth([2-9])-(dflash-)?regen-all$ ]]; then  # the depth ablation at the largest point: regen-all's
+    depth=${BASH_REMATCH[1]} kind=dspark preset=smollm2-dspark-markov  # DSpark with N draft layers, or its DFlash twin
+    [ -n "${BASH_REMATCH[2]}" ] && kind=dflash preset=smollm2-dflash
     slice=$(tail -n 1 "$R/regen-slices.tsv" | cut -f1)
-    train "${kind}2-regen-$slice" "$preset" "$(caches_for regen)" all --set model.draft_layer=qwen3 \
-      --set model.num_draft_layers=2 --set "data=[]"
+    train "${kind}${depth}-regen-$slice" "$preset" "$(caches_for regen)" all --set model.draft_layer=qwen3 \
+      --set "model.num_draft_layers=$depth" --set "data=[]"
     continue
   fi
   if [[ "$p" == depth2-* ]]; then  # the depth ablation: DSpark with 2 draft layers at point N
@@ -117,8 +121,13 @@ for p in "${points[@]}"; do
     init=${INIT:-checkpoints/smollm2-135m-dspark}
     [ -f "$init/config.json" ] || { echo "no drafter at $init (INIT=...)"; exit 2; }
     slice=$(tail -n 1 "$R/regen-slices.tsv" | cut -f1)
-    EPOCHS=${CONT_EPOCHS:-1} train "${NAME:-dspark-regen-warm-$slice}" smollm2-dspark-markov "$(caches_for regen)" all \
-      --set model.draft_layer=qwen3 --set "data=[]" --set "lr=${CONT_LR:-0.0003}" --set "init_from=$init"
+    caches=$(caches_for regen)
+    [ -n "${SLICES:-}" ] && caches=$(tr ' ' '\n' <<<"$SLICES" | sed "s|.*|\"$R/features-&\"|" | paste -sd, | sed 's/.*/[&]/')
+    layers=${LAYERS:-$(grep -o '"num_hidden_layers": *[0-9]*' "$init/config.json" | grep -o '[0-9]*$')}
+    # shellcheck disable=SC2086  # SETS: extra --set arguments, word-split on purpose
+    EPOCHS=${CONT_EPOCHS:-1} train "${NAME:-dspark-regen-warm-$slice}" smollm2-dspark-markov "$caches" all \
+      --set model.draft_layer=qwen3 --set "data=[]" --set "lr=${CONT_LR:-0.0003}" --set "init_from=$init" \
+      --set "model.num_draft_layers=$layers" ${SETS:-}
     continue
   fi
   if [ "$p" = regen-next ]; then  # warm start again: the continued runs on the newest slice of answers

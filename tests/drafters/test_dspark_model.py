@@ -154,6 +154,27 @@ def test_packed_blocks_equal_blocks_run_alone(tiny):
     assert torch.allclose(both[1], alone[0], atol=1e-4)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])  # gemma2: sandwich norms on the zeroed branches
+def test_grown_layers_leave_the_outputs_unchanged_until_trained(arch, tmp_path):
+    target = tiny_target(**TARGETS[arch])
+    model = tiny_dspark(target)
+    sample = sample_for(target, random_tokens(20, seed=4), LAYER_IDS)
+    anchors = torch.tensor([3, 11])
+    before = model.block_logits(sample, anchors)
+    model.grow(3)
+    assert len(model.layers) == 3 and model.config.num_draft_layers == 3 and model.spec.num_layers == 3
+    assert torch.equal(model.block_logits(sample, anchors), before)
+    assert torch.equal(model.layers[2].self_attn.q_proj.weight, model.layers[0].self_attn.q_proj.weight)  # copies
+    model.save_checkpoint(tmp_path / "grown")
+    loaded = type(model).from_checkpoint(tmp_path / "grown", target)
+    assert len(loaded.layers) == 3 and torch.equal(loaded.block_logits(sample, anchors), before)
+    with torch.no_grad():  # negative control: once the new layer's output projection moves, so do the outputs
+        model.layers[2].self_attn.o_proj.weight.normal_(0, 0.05)
+    assert not torch.allclose(model.block_logits(sample, anchors), before, atol=1e-4)
+    with pytest.raises(ValueError, match="cannot grow a 3-layer drafter to 2"):
+        model.grow(2)
+
+
 # --------------------------------------------------------------------------- training == inference
 
 

@@ -166,6 +166,32 @@ def test_init_from_refuses_another_kind_or_architecture(tmp_path):
         train(tiny_cfg(tmp_path / "d", init_from=str(tmp_path)), target=target, dataset=data)
 
 
+def test_init_from_may_change_how_the_drafter_trains(tmp_path):
+    target, data = tiny_target(), random_data(6)
+    first = train(tiny_cfg(tmp_path / "a"), target=target, dataset=data)
+    model = {**TINY_DSPARK, "num_anchors": 3, "ce_loss_alpha": 0.5}
+    trainer = Trainer(tiny_cfg(tmp_path / "b", init_from=str(first), model=model), target=target, dataset=data)
+    assert trainer.model.config.num_anchors == 3 and trainer.model.config.ce_loss_alpha == 0.5
+    trainer.close()
+    out = train(tiny_cfg(tmp_path / "c", init_from=str(first), model=model), target=target, dataset=data)
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["num_anchors"] == 3 and saved["ce_loss_alpha"] == 0.5
+    assert json.loads((first / "config.json").read_text())["num_anchors"] == 8  # the checkpoint's own value
+
+
+def test_init_from_grows_a_deeper_drafter(tmp_path):
+    target, data = tiny_target(), random_data(6)
+    first = train(tiny_cfg(tmp_path / "a"), target=target, dataset=data)
+    grown = {**TINY_DSPARK, "num_draft_layers": 2}
+    out = train(tiny_cfg(tmp_path / "b", init_from=str(first), model=grown), target=target, dataset=data)
+    assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 2
+    model = kind_entry("dspark").model_class.from_checkpoint(out, target)
+    assert len(model.layers) == 2 and model.layers[1].mlp.down_proj.weight.abs().sum() > 0  # trained off zero
+    with pytest.raises(TrainConfigError, match="num_draft_layers=2 \\(config: 1\\)"):  # never shrunk
+        train(tiny_cfg(tmp_path / "c", init_from=str(out), model={**TINY_DSPARK, "num_draft_layers": 1}),
+              target=target, dataset=data)
+
+
 def test_keep_checkpoints_prunes_old_steps(tmp_path):
     out = tmp_path / "run"
     train(tiny_cfg(out, max_steps=3, checkpoint_every=1, keep_checkpoints=2), target=tiny_target(),

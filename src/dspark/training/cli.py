@@ -52,7 +52,9 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--init-from", metavar="CHECKPOINT", default=None,
                    help="start from this drafter checkpoint's weights (same kind and architecture; its draft "
                    "vocabulary comes with it) with a fresh optimizer and LR schedule: fine-tune a drafter on new "
-                   "data, or warm-start from a shorter run; sets the config's 'init_from'")
+                   "data, or warm-start from a shorter run; model.num_anchors and the loss weights may differ, and "
+                   "model.num_draft_layers may be larger (the new layers start as no-ops); sets the config's "
+                   "'init_from'")
     start = p.add_mutually_exclusive_group()
     start.add_argument("--resume", action="store_true",
                        help="continue from OUT/step_latest (or the newest complete OUT/step_N when step_latest is "

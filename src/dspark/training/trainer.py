@@ -29,6 +29,7 @@ Output folder (checkpoints: ``checkpoints.py``)::
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -194,11 +195,18 @@ def build_drafter(cfg: TrainConfig, target, draft_vocab: list[int] | None = None
     return model_class.from_target(target, model_cfg)
 
 
+# model-config fields that say how a drafter is trained, not what it computes: a warm start may change them
+TRAINING_ONLY_FIELDS = frozenset({"num_anchors", "loss_decay_gamma", "ce_loss_alpha", "l1_loss_alpha",
+                                  "confidence_head_alpha", "step_loss_decay"})
+
+
 def init_drafter(cfg: TrainConfig, target) -> nn.Module:
     """The drafter of checkpoint ``cfg.init_from`` for ``target``, in float32, to train further.
 
     It must be of ``cfg.drafter``'s kind, and ``cfg.model`` may only repeat its architecture (its config.json
-    decides); its draft vocabulary comes with it. The optimizer and LR schedule start fresh.
+    decides), change how it is trained (``TRAINING_ONLY_FIELDS``: more anchors, other loss weights) or ask for more
+    draft layers than it has (``DSparkModel.grow``); its draft vocabulary comes with it. The optimizer and LR schedule
+    start fresh.
     """
     from dspark.drafters.registry import checkpoint_kind
 
@@ -213,6 +221,17 @@ def init_drafter(cfg: TrainConfig, target) -> nn.Module:
     wanted = dict(cfg.model)
     if cfg.drafter == "dflash":  # a DFlash run must not start from a DSpark checkpoint's heads
         wanted.update(markov_rank=0, enable_confidence_head=False)
+    settings = {k: wanted.pop(k) for k in TRAINING_ONLY_FIELDS & wanted.keys()}
+    changed = {k: v for k, v in settings.items() if getattr(model.config, k, v) != v}
+    if changed:  # how this run trains, not what the checkpoint is: the run's values replace the checkpoint's
+        print("[dspark] init_from: training with " + ", ".join(
+            f"{k}={v!r} (checkpoint: {getattr(model.config, k)!r})" for k, v in sorted(changed.items())), flush=True)
+        model.config = dataclasses.replace(model.config, **changed)
+    deeper = wanted.get("num_draft_layers")
+    if deeper is not None and hasattr(model, "grow") and deeper > model.config.num_draft_layers:
+        print(f"[dspark] init_from: {model.config.num_draft_layers} draft layers grown to {deeper} (the new ones start "
+              "as copies of the last with zeroed output projections: the drafter's outputs are unchanged)", flush=True)
+        model.grow(int(deeper))
     differ = {k: (getattr(model.config, k, None), v) for k, v in wanted.items() if getattr(model.config, k, None) != v}
     if differ:
         shown = ", ".join(f"{k}={have!r} (config: {want!r})" for k, (have, want) in sorted(differ.items()))

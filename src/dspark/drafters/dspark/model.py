@@ -404,6 +404,33 @@ class DSparkModel(nn.Module):
             out = torch.tanh(out / self.target_softcap) * self.target_softcap
         return out
 
+    def grow(self, num_layers: int) -> None:
+        """Append draft layers up to ``num_layers`` that leave the drafter's outputs as they are (a warm start to a
+        deeper drafter): each new layer is a copy of the last one with its output projections (``o_proj``,
+        ``down_proj``) zeroed, so both residual branches add nothing until training moves them."""
+        old = len(self.layers)
+        if num_layers < old:
+            raise ValueError(f"cannot grow a {old}-layer drafter to {num_layers} layers")
+        if self.decoding_layout:
+            raise RuntimeError("grow the model as trained, not one loaded for decoding")
+        types = list(self.spec.layer_types)
+        if types:
+            types += [types[-1]] * (num_layers - old)
+        self.spec = dataclasses.replace(self.spec, num_layers=num_layers, layer_types=types)
+        last = self.layers[-1]
+        for i in range(old, num_layers):
+            layer = DecoderLayer(self.spec, i).to(device=last.input_layernorm.weight.device,
+                                                  dtype=last.input_layernorm.weight.dtype)
+            layer.load_state_dict(last.state_dict())
+            with torch.no_grad():
+                layer.self_attn.o_proj.weight.zero_()
+                layer.mlp.down_proj.weight.zero_()
+                for proj in (layer.self_attn.o_proj, layer.mlp.down_proj):
+                    if proj.bias is not None:
+                        proj.bias.zero_()
+            self.layers.append(layer)
+        self.config = dataclasses.replace(self.config, num_draft_layers=num_layers)
+
     def trainable_parameters(self) -> list[nn.Parameter]:
         """Everything except the frozen embed_tokens and lm_head."""
         frozen = {id(self.embed_tokens.weight), id(self.lm_head.weight)}
