@@ -18,6 +18,7 @@
 #                                                # 2 draft layers (dspark2-regen-R3 after slice R3)
 #   PROCS=2 bash scripts/scale_train.sh depth2-dflash-regen-all  # its DFlash twin at equal depth (dflash2-regen-R4)
 #   PROCS=2 bash scripts/scale_train.sh depth3-regen-all  # any depth N = 2..9 the same way (dspark3-regen-R4)
+#   PROCS=2 bash scripts/scale_train.sh depth2-rnn-regen-all  # DSpark with the RNN head (dsparkrnn2-regen-R4)
 #   bash scripts/scale_train.sh layer-target-330 # DSpark with the target family's draft layer (dsparktl-330)
 #   bash scripts/scale_train.sh regen            # DSpark and DFlash on the on-policy slices (dspark-regen, dflash-regen)
 #   bash scripts/scale_train.sh regen-cont       # both continued on every slice from dspark-regen / dflash-regen
@@ -87,12 +88,15 @@ for p in "${points[@]}"; do
     train "dsparktl-$n" smollm2-dspark-markov "$(caches_for "$n")" "$n" --set model.draft_layer=target
     continue
   fi
-  if [[ "$p" =~ ^depth([2-9])-(dflash-)?regen-all$ ]]; then  # the depth ablation at the largest point: regen-all's
-    depth=${BASH_REMATCH[1]} kind=dspark preset=smollm2-dspark-markov  # DSpark with N draft layers, or its DFlash twin
-    [ -n "${BASH_REMATCH[2]}" ] && kind=dflash preset=smollm2-dflash
+  if [[ "$p" =~ ^depth([2-9])-(dflash-|rnn-)?regen-all$ ]]; then  # the depth ablation at the largest point: regen-all's
+    depth=${BASH_REMATCH[1]} kind=dspark preset=smollm2-dspark-markov head=()  # DSpark with N draft layers, its DFlash
+    case ${BASH_REMATCH[2]} in  # twin, or DSpark with the RNN head of eq. (6) instead of the vanilla Markov one
+      dflash-) kind=dflash preset=smollm2-dflash ;;
+      rnn-) kind=dsparkrnn head=(--set model.markov_head_type=rnn) ;;
+    esac
     slice=$(tail -n 1 "$R/regen-slices.tsv" | cut -f1)
     train "${kind}${depth}-regen-$slice" "$preset" "$(caches_for regen)" all --set model.draft_layer=qwen3 \
-      --set "model.num_draft_layers=$depth" --set "data=[]"
+      --set "model.num_draft_layers=$depth" --set "data=[]" "${head[@]}"
     continue
   fi
   if [[ "$p" == depth2-* ]]; then  # the depth ablation: DSpark with 2 draft layers at point N

@@ -30,6 +30,7 @@ def test_torchrun_two_cpu_processes_train_and_checkpoint(tmp_path):
         "_command": "torchrun --nproc_per_node 2 -m dspark.cli train --config cfg.json",
         "drafter": "dspark", "target": str(folder), "out": str(out), "feature_source": "cache",
         "cache_dir": str(cache), "max_steps": 2, "checkpoint_every": 2, "log_every": 1, "num_threads": 1,
+        "val_cache_dir": str(cache), "val_samples": 3,  # 3 held-out sequences: one rank validates 2, the other 1
         "model": {"block_size": 4, "num_anchors": 8, "markov_rank": 16, "target_layer_ids": LAYERS},
     }
     cfg_path = tmp_path / "cfg.json"
@@ -64,3 +65,9 @@ def test_torchrun_two_cpu_processes_train_and_checkpoint(tmp_path):
     wa, wb = load_file(step / "model.safetensors"), load_file(one / "model.safetensors")
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-5, msg=k)
+    # validation over two ranks is the one-process validation: every sequence once, the same anchors
+    val_two = summary["val_metrics"]
+    val_one = json.loads((tmp_path / "one" / "train_summary.json").read_text())["val_metrics"]
+    assert set(val_two) == set(val_one) and "val_tau" in val_two
+    for k in val_one:
+        assert abs(val_two[k] - val_one[k]) <= 1e-4 * max(1.0, abs(val_one[k])), k

@@ -10,6 +10,7 @@ import torch
 from dspark.training.config import (
     TrainConfig, TrainConfigError, build_model_config, config_from_dict, load_config, preset_names,
 )
+from dspark.data.features import build_feature_cache
 from dspark.drafters.registry import kind_entry
 from dspark.training.checkpoints import latest_checkpoint
 from dspark.training.trainer import DataOrder, Trainer, lr_multiplier, train
@@ -190,6 +191,35 @@ def test_init_from_grows_a_deeper_drafter(tmp_path):
     with pytest.raises(TrainConfigError, match="num_draft_layers=2 \\(config: 1\\)"):  # never shrunk
         train(tiny_cfg(tmp_path / "c", init_from=str(out), model={**TINY_DSPARK, "num_draft_layers": 1}),
               target=target, dataset=data)
+
+
+def test_validation_on_held_out_sequences_is_logged_and_repeatable(tmp_path):
+    target, data = tiny_target(), random_data(6)
+    val = build_feature_cache(target, random_data(3, seed=9), target.default_layer_ids(), tmp_path / "val",
+                              progress=False)
+    cfg = tiny_cfg(tmp_path / "a", val_cache_dir=str(val), val_samples=2, val_every=2)
+    trainer = Trainer(cfg, target=target, dataset=data)
+    first = trainer.validate()
+    assert first == trainer.validate()  # the same blocks every time
+    assert {"val_loss", "val_tau", "val_acc@0", "val_ce"} <= set(first)
+    trainer.close()
+    out = tmp_path / "b"
+    train(tiny_cfg(out, val_cache_dir=str(val), val_samples=2, val_every=2), target=target, dataset=data)
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    val_lines = {line["step"]: line for line in lines if "val_loss" in line}
+    assert sorted(val_lines) == [0, 2, 4]  # before the first step, every val_every steps
+    assert val_lines[0]["val_loss"] == pytest.approx(first["val_loss"], rel=1e-5)  # step 0 is the untrained model
+    assert val_lines[4]["val_loss"] != pytest.approx(first["val_loss"], rel=1e-5)  # training moved it
+    assert not any("val_loss" in line and "loss" in line for line in lines)  # own lines, not the training ones
+    summary = json.loads((out / "train_summary.json").read_text())
+    assert summary["val_metrics"]["val_loss"] == pytest.approx(val_lines[4]["val_loss"], rel=1e-5)
+    # negative control: other held-out sequences give other values, so the cache is what is read
+    third = Trainer(tiny_cfg(tmp_path / "c", val_cache_dir=str(val), val_samples=3), target=target, dataset=data)
+    assert third.validate()["val_loss"] != pytest.approx(first["val_loss"], rel=1e-6)
+    third.close()
+    assert Trainer(tiny_cfg(tmp_path / "d"), target=target, dataset=data).validate() == {}
+    with pytest.raises(TrainConfigError, match="val_samples must be >= 1"):
+        tiny_cfg(tmp_path / "e", val_samples=0)
 
 
 def test_keep_checkpoints_prunes_old_steps(tmp_path):

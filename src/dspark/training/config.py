@@ -67,6 +67,12 @@ class TrainConfig:
     # the feature cache (``dspark data features``) for feature_source "cache" / "auto"; several folders (a list) are
     # read as one dataset, e.g. regenerated answers and labelled text cached apart (all must exist)
     cache_dir: str | list[str] | None = None
+    # held-out validation: the teacher-forced loss and metrics (val_loss, val_tau, val_acc@k) of the first
+    # val_samples sequences of these feature caches (the same anchors every time), logged before the first step and
+    # every val_every steps (default: at each checkpoint) and at the end; nothing is trained on them
+    val_cache_dir: str | list[str] | None = None
+    val_samples: int = 64
+    val_every: int | None = None
     # DSpark/DFlash: draft only these tokens (LM-head and Markov rows over them; stored in the checkpoint):
     draft_vocab_size: int | None = None  # the N most frequent answer tokens of the training data
     draft_vocab_file: str | None = None  # or a `dspark data vocab` file
@@ -95,6 +101,8 @@ class TrainConfig:
             self.data = [self.data]
         if isinstance(self.cache_dir, list) and len(self.cache_dir) == 1:
             self.cache_dir = self.cache_dir[0]
+        if isinstance(self.val_cache_dir, list) and len(self.val_cache_dir) == 1:
+            self.val_cache_dir = self.val_cache_dir[0]
         self.validate()
 
     def validate(self) -> None:
@@ -120,11 +128,13 @@ class TrainConfig:
             raise bad(f"save_dtype must be one of {', '.join(DTYPES)}, got {self.save_dtype!r}")
         if self.grad_accum is not None and self.global_batch_size is not None:
             raise bad("set grad_accum or global_batch_size, not both")
-        for name in ("grad_accum", "global_batch_size", "max_steps", "max_samples", "num_threads"):
+        if isinstance(self.val_cache_dir, list) and not all(isinstance(c, str) and c for c in self.val_cache_dir):
+            raise bad(f"val_cache_dir must be a folder or a list of folders, got {self.val_cache_dir!r}")
+        for name in ("grad_accum", "global_batch_size", "max_steps", "max_samples", "num_threads", "val_every"):
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise bad(f"{name} must be >= 1, got {v}")
-        for name in ("epochs", "max_length", "checkpoint_every", "log_every"):
+        for name in ("epochs", "max_length", "checkpoint_every", "log_every", "val_samples"):
             if getattr(self, name) < 1:
                 raise bad(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0.0 <= self.warmup_ratio < 1.0:
@@ -162,10 +172,11 @@ class TrainConfig:
         A resume continues the same run, so what fixes the model, the data, their order and the schedule must
         match. How long to go on (``max_steps``, ``epochs``, ``time_budget_s``: the trainer says so when they
         change, since the LR schedule then follows the new length) and how the run is run and logged (threads,
-        device, checkpointing, logging, the saved dtype, ``out``) may change. A new stage on other data or
+        device, checkpointing, logging and validation, the saved dtype, ``out``) may change. A new stage on other data or
         settings starts from the weights with ``init_from`` instead."""
         free = {*RUN_LENGTH_FIELDS, "out", "session_time_s", "num_threads", "device", "checkpoint_every", "keep_checkpoints",
-                "log_every", "save_dtype", "init_from", "find_unused_parameters"}
+                "log_every", "save_dtype", "init_from", "find_unused_parameters", "val_cache_dir", "val_samples",
+                "val_every"}
         now = self.to_dict()
         return {k: (saved[k], now[k]) for k in now if k not in free and k in saved and saved[k] != now[k]}
 

@@ -305,16 +305,19 @@ class _Logger:
         if self.bar is not None:
             self.bar.update(n)
 
-    def log(self, step: int, scalars: dict[str, float]) -> None:
+    def log(self, step: int, scalars: dict[str, float], group: str = "train") -> None:
+        """One metrics.jsonl line; TensorBoard tags ``group/key`` (the held-out scalars are logged as ``val_*``
+        keys, under ``val/*`` in TensorBoard)."""
         if not self.on:
             return
         if self.tb is not None:
             for k, v in scalars.items():
-                self.tb.add_scalar(f"train/{k}", v, step)
+                self.tb.add_scalar(f"{group}/{k.removeprefix(group + '_')}", v, step)
         with open(self.jsonl, "a") as f:
             f.write(json.dumps({"step": step, **{k: round(v, 6) for k, v in scalars.items()}}) + "\n")
         shown = {k: f"{scalars[k]:.4g}" for k in ("loss", "lr", "tokens_per_s") if k in scalars}
-        self.bar.set_postfix(shown)
+        if shown:
+            self.bar.set_postfix(shown)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -362,6 +365,13 @@ class Trainer:
             barrier(d)
         self.source = build_sample_source(cfg, target, layer_ids, self.dtype, dataset, cache_dir=cache_dir,
                                           logsumexp=getattr(self.model, "draft_vocab", None) is not None)
+
+        self.val_source = None  # held-out sequences (cfg.val_cache_dir), never trained on
+        if cfg.val_cache_dir:
+            val_cfg = dataclasses.replace(cfg, cache_dir=cfg.val_cache_dir, feature_source="cache",
+                                          max_samples=cfg.val_samples)
+            self.val_source = build_sample_source(val_cfg, target, layer_ids, self.dtype,
+                                                  logsumexp=getattr(self.model, "draft_vocab", None) is not None)
 
         self.accum = cfg.grad_accum_for(d.world_size)
         self.order = DataOrder(len(self.source), d.world_size, self.accum, cfg.seed)
@@ -481,6 +491,43 @@ class Trainer:
         self.step += 1
         return loss_sum / accum, {k: v / accum for k, v in metric_sums.items()}, grad_norm, tokens
 
+    # -- held-out validation
+
+    @torch.no_grad()
+    def validate(self) -> dict[str, float]:
+        """Mean loss and metrics of the held-out sequences, ``val_``-prefixed ({} without ``val_cache_dir``).
+
+        Every rank takes every world_size-th sequence; each sequence's anchors come from a generator seeded by the
+        run's seed and the sequence's index, so every validation of a run sees the same blocks and its values are
+        comparable from step to step. Ranks run equally many forwards (a short rank repeats its last sequence and
+        drops the result), as FSDP's collectives need."""
+        if self.val_source is None:
+            return {}
+        d, n = self.d, len(self.val_source)
+        net = self.net.module if hasattr(self.net, "module") else self.net  # no DDP hooks outside training
+        per_rank = -(-n // d.world_size)
+        sums: dict[str, list[float]] = {}  # key -> [sum, sequences that reported it] (acc@k needs a k-th draft)
+        for k in range(per_rank):
+            index = d.rank + k * d.world_size
+            sample = to_device(self.val_source[min(index, n - 1)], self.device, self.dtype)
+            loss, metrics = net(sample, torch.Generator().manual_seed(_derive_seed(self.cfg.seed, 7919, index)))
+            if index >= n:
+                continue
+            for key, v in {**metrics, "loss": loss}.items():
+                total = sums.setdefault(key, [0.0, 0])
+                total[0] += float(v)
+                total[1] += 1
+        if d.distributed:  # ranks may hold other keys: merge the dictionaries
+            gathered: list[dict[str, list[float]] | None] = [None] * d.world_size
+            torch.distributed.all_gather_object(gathered, sums)
+            sums = {}
+            for part in gathered:
+                for key, (v, c) in (part or {}).items():
+                    total = sums.setdefault(key, [0.0, 0])
+                    total[0] += v
+                    total[1] += c
+        return {f"val_{key}": v / c for key, (v, c) in sorted(sums.items()) if c}
+
     # -- the loop
 
     def run(self) -> Path:
@@ -489,7 +536,12 @@ class Trainer:
         start = time.perf_counter()
         session_tokens = 0.0
         last_ckpt, last_scalars, stopped_by = self.resume_from, {}, "max_steps"
+        val_every = cfg.val_every or cfg.checkpoint_every
+        last_val: dict[str, float] = {}
         try:
+            if self.val_source is not None and self.step == 0:  # where the run starts (the init_from checkpoint's)
+                last_val = self.validate()
+                log.log(0, last_val, group="val")
             while self.step < self.total_steps:
                 progress = self._time_progress(self.prior_seconds + time.perf_counter() - start)
                 lr = self.optimizer.param_groups[0]["lr"]
@@ -508,6 +560,9 @@ class Trainer:
                                     "tokens_per_s": session_tokens / max(elapsed, 1e-9),
                                     "tokens_seen": self.tokens_seen}
                     log.log(self.step, last_scalars)
+                if self.val_source is not None and (self.step % val_every == 0 or self.step == self.total_steps):
+                    last_val = self.validate()
+                    log.log(self.step, last_val, group="val")
                 seconds = self.prior_seconds + time.perf_counter() - start
                 timed_out = out_of_time(cfg, d, seconds, time.perf_counter() - start)
                 if self.step % cfg.checkpoint_every == 0 or self.step == self.total_steps or timed_out:
@@ -528,6 +583,7 @@ class Trainer:
                 "train_seconds_total": round(self.prior_seconds + wall, 3),
                 "tokens_per_s": round(session_tokens / max(wall, 1e-9), 2), "world_size": d.world_size,
                 "global_batch": self.order.global_batch, "final_metrics": last_scalars,
+                **({"val_metrics": last_val} if last_val else {}),
                 "last_checkpoint": str(last_ckpt),
             }
             (self.out / "train_summary.json").write_text(json.dumps(summary, indent=2))
