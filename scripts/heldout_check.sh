@@ -21,6 +21,7 @@ R=${R:-runs/scale}
 H=${H:-$R/heldout}
 NUM=${NUM:-480}
 DRAFTER=${DRAFTER:-checkpoints/smollm2-135m-dspark}
+[ -f "$R/regenerated-R.jsonl" ] || { echo "no $R/regenerated-R.jsonl (the training answers): bash scripts/scale_archive.sh restore"; exit 2; }
 mkdir -p "$H"
 if [ ! -f "$H/prompts.jsonl" ]; then
   $DSPARK data prompts --out "$H/prompts-all.jsonl" --num "$NUM" --seed 31
