@@ -37,7 +37,8 @@ def _torchrun(tmp_path, cfg: dict, *extra: str) -> subprocess.CompletedProcess:
 
 
 def _losses(run) -> list[float]:
-    return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [d["loss"] for d in lines if "loss" in d]  # not the held-out validation's val_* lines
 
 
 def _assert_weights_close(a, b) -> None:
@@ -58,7 +59,8 @@ def setup(tmp_path_factory):
                                 progress=False)
     base = {"drafter": "dspark", "target": str(folder), "feature_source": "cache", "cache_dir": str(cache),
             "max_steps": 3, "checkpoint_every": 1, "log_every": 1, "num_threads": 1, "global_batch_size": 2,
-            "warmup_ratio": 0.34, "model": MODEL}
+            "warmup_ratio": 0.34, "model": MODEL,
+            "val_cache_dir": str(cache), "val_samples": 3}  # 3 validation sequences: the ranks' shares differ
     single = train(load_config(None, **{**base, "out": str(tmp / "single")}))  # grad_accum 2 in one process
     return tmp, base, single
 
@@ -83,6 +85,11 @@ def test_fsdp_on_two_processes_matches_one_process_and_resumes(setup, tmp_path):
     for a, b in zip(s0["master_weights"], r0["master_weights"], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)  # gathered: whole tensors, not shards
     assert s0["optimizer"]["state"].keys() == r0["optimizer"]["state"].keys()
+    # validation through the sharded drafter: every rank the same number of forwards, the one-process values
+    val_fsdp, val_one = (json.loads((run / "train_summary.json").read_text())["val_metrics"] for run in (out, single.parent))
+    assert set(val_fsdp) == set(val_one) and "val_tau" in val_one
+    for k in val_one:
+        assert abs(val_fsdp[k] - val_one[k]) <= 1e-4 * max(1.0, abs(val_one[k])), k
 
     # kill after step 2: drop step_3 and step_latest, resume, and step 3 comes out the same again
     shutil.rmtree(step)
