@@ -33,7 +33,8 @@
 #                                                # new answers, since the shipped weights are in git; NAME=... names
 #                                                # the run instead (a second warm start from INIT=runs/.../step_latest);
 #                                                # LAYERS=3 grows the drafter (new layers start as no-ops), SLICES="R1"
-#                                                # trains on those slices only, SETS="--set model.num_anchors=64" adds
+#                                                # trains on those slices only (any regen run: SLICES="R1 R2 R3 R4"
+#                                                # resumes depth3-regen-all's dspark3-regen-R4 once R5 is listed), SETS="--set model.num_anchors=64" adds
 #                                                # training settings (the warm-start ablation of training-scale.md)
 #   bash scripts/scale_train.sh regen-next       # the continued runs (*-regen-cont) one pass further on the newest
 #                                                # slice only (*-regen-cont-R3 for slice R3; CONT_LR, KINDS as above)
@@ -47,11 +48,15 @@ TORCHRUN=${TORCHRUN:-.venv/bin/torchrun}
 points=("$@")
 [ ${#points[@]} -gt 0 ] || points=(330 1000 3500 all eagle3)
 
+listed_slices() {  # the on-policy slices a regen run reads: SLICES="R1 R2" if given, else all in regen-slices.tsv
+  if [ -n "${SLICES:-}" ]; then tr ' ' '\n' <<<"$SLICES"; else cut -f1 "$R/regen-slices.tsv"; fi
+}
+
 caches_for() {  # the slices that hold the first N sequences
   case "$1" in
     330|1000) echo "[\"$R/features-A\"]" ;;
     3500) echo "[\"$R/features-A\", \"$R/features-B\"]" ;;
-    regen) cut -f1 "$R/regen-slices.tsv" | sed "s|.*|\"$R/features-&\"|" | paste -sd, | sed 's/.*/[&]/' ;;
+    regen) listed_slices | sed "s|.*|\"$R/features-&\"|" | paste -sd, | sed 's/.*/[&]/' ;;
     *) echo "[\"$R/features-A\", \"$R/features-B\", \"$R/features-C\"]" ;;
   esac
 }
@@ -94,7 +99,7 @@ for p in "${points[@]}"; do
       dflash-) kind=dflash preset=smollm2-dflash ;;
       rnn-) kind=dsparkrnn head=(--set model.markov_head_type=rnn) ;;
     esac
-    slice=$(tail -n 1 "$R/regen-slices.tsv" | cut -f1)
+    slice=$(listed_slices | tail -n 1)  # SLICES="R1 R2 R3 R4" resumes the run named after R4 once R5 is listed
     train "${kind}${depth}-regen-$slice" "$preset" "$(caches_for regen)" all --set model.draft_layer=qwen3 \
       --set "model.num_draft_layers=$depth" --set "data=[]" "${head[@]}"
     continue
@@ -124,9 +129,8 @@ for p in "${points[@]}"; do
   if [ "$p" = regen-warm ]; then  # warm start from a drafter folder (the shipped one) on every slice
     init=${INIT:-checkpoints/smollm2-135m-dspark}
     [ -f "$init/config.json" ] || { echo "no drafter at $init (INIT=...)"; exit 2; }
-    slice=$(tail -n 1 "$R/regen-slices.tsv" | cut -f1)
+    slice=$(listed_slices | tail -n 1)
     caches=$(caches_for regen)
-    [ -n "${SLICES:-}" ] && caches=$(tr ' ' '\n' <<<"$SLICES" | sed "s|.*|\"$R/features-&\"|" | paste -sd, | sed 's/.*/[&]/')
     layers=${LAYERS:-$(grep -o '"num_hidden_layers": *[0-9]*' "$init/config.json" | grep -o '[0-9]*$')}
     # shellcheck disable=SC2086  # SETS: extra --set arguments, word-split on purpose
     EPOCHS=${CONT_EPOCHS:-1} train "${NAME:-dspark-regen-warm-$slice}" smollm2-dspark-markov "$caches" all \

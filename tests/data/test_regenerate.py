@@ -164,3 +164,37 @@ def test_a_different_seed_changes_the_engine_records(tmp_path):
                    seed=seed, progress=False)
         texts.append(out.read_text())
     assert texts[0] != texts[1]
+
+
+def test_shards_together_write_the_unsharded_records_and_merge_puts_them_in_prompt_order(tmp_path):
+    from dspark.data.regenerate_io import merge_shards
+
+    src = write_jsonl(tmp_path / "p.jsonl", RECORDS[:3] + [{"id": "d", "conversations": [
+        {"role": "user", "content": "two more"}]}])
+    sampling = dict(max_new_tokens=8, temperature=1.0, top_p=1.0, top_k=0, seed=5, progress=False)
+    whole = tmp_path / "whole.jsonl"
+    regenerate(chat_target(), src, whole, batch_size=4, **sampling)
+    shards = [tmp_path / f"s{k}.jsonl" for k in (0, 1)]
+    for k, out in enumerate(shards):
+        stats = regenerate(chat_target(), src, out, batch_size=4, shard=(k, 2), **sampling)
+        assert stats.total == 2 and stats.succeeded == 2
+    assert [str(r["id"]) for r in read_jsonl(shards[1])] == ["b", "d"]  # lines 1 and 3
+    merged = tmp_path / "merged.jsonl"
+    assert merge_shards(src, shards, merged) == 4
+    assert merged.read_text() == whole.read_text()  # seeds follow the line in the whole file
+
+
+def test_merge_refuses_an_unfinished_shard_and_a_bad_shard_spec(tmp_path):
+    from dspark.data.regenerate_io import merge_shards, parse_shard
+    from dspark.errors import DSparkError
+
+    src = write_jsonl(tmp_path / "p.jsonl", RECORDS[:3])
+    shard = tmp_path / "s0.jsonl"
+    regenerate(chat_target(), src, shard, max_new_tokens=4, shard=(0, 2), progress=False)
+    with pytest.raises(DSparkError, match=r"1 of 3 prompts .* no record .*\(first: b\)"):
+        merge_shards(src, [shard], tmp_path / "m.jsonl")
+    assert not (tmp_path / "m.jsonl").exists()
+    assert parse_shard("1/2") == (1, 2) and parse_shard(None) is None
+    for bad in ("2/2", "x", "1/0", "-1/2"):
+        with pytest.raises(DSparkError, match="bad --shard"):
+            parse_shard(bad)

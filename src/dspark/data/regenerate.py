@@ -79,6 +79,7 @@ def regenerate(
     top_k: int = 20,
     seed: int = 0,
     limit: int | None = None,
+    shard: tuple[int, int] | None = None,
     progress: bool = True,
     static_batches: bool = False,
 ) -> RegenerateStats:
@@ -92,7 +93,7 @@ def regenerate(
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     out_jsonl = Path(out_jsonl)
-    work = plan(Path(prompts_jsonl), out_jsonl, limit)
+    work = plan(Path(prompts_jsonl), out_jsonl, limit, shard)
     sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
     with RecordWriter(out_jsonl, work, progress) as writer:
         if static_batches:

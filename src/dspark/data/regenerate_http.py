@@ -144,6 +144,7 @@ def regenerate_over_http(
     top_k: int = 20,
     seed: int = 0,
     limit: int | None = None,
+    shard: tuple[int, int] | None = None,
     progress: bool = True,
     retry: RetryPolicy | None = None,
     transport: httpx.AsyncBaseTransport | None = None,  # tests: httpx.MockTransport
@@ -154,7 +155,7 @@ def regenerate_over_http(
     retry = retry or RetryPolicy()
     out_jsonl = Path(out_jsonl)
     base = api_base(base_url)
-    work = plan(Path(prompts_jsonl), out_jsonl, limit)
+    work = plan(Path(prompts_jsonl), out_jsonl, limit, shard)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     async def run(writer: RecordWriter) -> None:

@@ -138,7 +138,45 @@ class Plan:
     stats: RegenerateStats
 
 
-def plan(prompts_jsonl: Path, out_jsonl: Path, limit: int | None) -> Plan:
+def parse_shard(spec: str | None) -> tuple[int, int] | None:
+    """`K/N` (0 <= K < N): this process answers the lines L with L % N == K."""
+    if not spec:
+        return None
+    try:
+        k, n = (int(x) for x in spec.split("/"))
+    except ValueError:
+        k, n = -1, 0
+    if not 0 <= k < n:
+        raise DSparkError(f"bad --shard {spec!r}: write K/N with 0 <= K < N, e.g. 0/2 and 1/2 for two processes")
+    return k, n
+
+
+def merge_shards(prompts_jsonl: Path, shard_files: list[Path], out_jsonl: Path) -> int:
+    """Write the records of `--shard` runs to `out_jsonl` (atomically) in the prompt file's order. Refuses a prompt
+    with no record (a shard unfinished) or a record of no prompt; returns the number of records."""
+    order = [str(rec.get("id", line)) for line, rec in enumerate(read_jsonl(prompts_jsonl))]
+    by_id: dict[str, bytes] = {}
+    for path in shard_files:
+        if not path.exists():
+            raise DSparkError(f"{path}: no such shard output")
+        done_ids(path)  # cuts a torn last line
+        for raw in path.read_bytes().splitlines(keepends=True):
+            by_id[str(json.loads(raw)["id"])] = raw
+    missing = [i for i in order if i not in by_id]
+    if missing:
+        raise DSparkError(f"{len(missing)} of {len(order)} prompts of {prompts_jsonl} have no record in the shards "
+                          f"(first: {missing[0]}); finish the shard runs first (the same commands resume)")
+    extra = set(by_id) - set(order)
+    if extra:
+        raise DSparkError(f"{len(extra)} shard records are not prompts of {prompts_jsonl} (first: {sorted(extra)[0]})")
+    tmp = out_jsonl.with_name(out_jsonl.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.writelines(by_id[i] for i in order)
+    os.replace(tmp, out_jsonl)
+    return len(order)
+
+
+def plan(prompts_jsonl: Path, out_jsonl: Path, limit: int | None, shard: tuple[int, int] | None = None) -> Plan:
     if not prompts_jsonl.exists():
         raise DSparkError(f"{prompts_jsonl} not found; build prompts with `dspark data prompts` first")
     records = read_jsonl(prompts_jsonl)
@@ -146,9 +184,13 @@ def plan(prompts_jsonl: Path, out_jsonl: Path, limit: int | None) -> Plan:
         records = records[:limit]
     out_jsonl.parent.mkdir(parents=True, exist_ok=True)
     done = done_ids(out_jsonl)
-    stats = RegenerateStats(total=len(records))
+    if shard is not None:  # seeds stay fixed by the line in the whole file: the shards' union is the unsharded run
+        records = [rec if line % shard[1] == shard[0] else None for line, rec in enumerate(records)]
+    stats = RegenerateStats(total=sum(rec is not None for rec in records))
     todo = []
     for line, rec in enumerate(records):
+        if rec is None:
+            continue
         if str(rec.get("id", line)) in done:
             stats.skipped += 1
         else:
