@@ -34,8 +34,9 @@
 #                                                # the run instead (a second warm start from INIT=runs/.../step_latest);
 #                                                # LAYERS=3 grows the drafter (new layers start as no-ops), SLICES="R1"
 #                                                # trains on those slices only (any regen run: SLICES="R1 R2 R3 R4"
-#                                                # resumes depth3-regen-all's dspark3-regen-R4 once R5 is listed), SETS="--set model.num_anchors=64" adds
-#                                                # training settings (the warm-start ablation of training-scale.md)
+#                                                # resumes depth3-regen-all's dspark3-regen-R4 once R5 is listed),
+#                                                # SETS="--set model.num_anchors=64" adds training settings (the
+#                                                # warm-start ablation of training-scale.md)
 #   bash scripts/scale_train.sh regen-next       # the continued runs (*-regen-cont) one pass further on the newest
 #                                                # slice only (*-regen-cont-R3 for slice R3; CONT_LR, KINDS as above)
 set -euo pipefail

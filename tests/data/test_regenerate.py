@@ -194,6 +194,10 @@ def test_merge_refuses_an_unfinished_shard_and_a_bad_shard_spec(tmp_path):
     with pytest.raises(DSparkError, match=r"1 of 3 prompts .* no record .*\(first: b\)"):
         merge_shards(src, [shard], tmp_path / "m.jsonl")
     assert not (tmp_path / "m.jsonl").exists()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "a"}\n[1, 2]\n')
+    with pytest.raises(DSparkError, match=r"bad.jsonl:2: not a regenerated record"):
+        merge_shards(src, [bad], tmp_path / "m.jsonl")
     assert parse_shard("1/2") == (1, 2) and parse_shard(None) is None
     for bad in ("2/2", "x", "1/0", "-1/2"):
         with pytest.raises(DSparkError, match="bad --shard"):

@@ -159,9 +159,14 @@ def merge_shards(prompts_jsonl: Path, shard_files: list[Path], out_jsonl: Path) 
     for path in shard_files:
         if not path.exists():
             raise DSparkError(f"{path}: no such shard output")
-        done_ids(path)  # cuts a torn last line
-        for raw in path.read_bytes().splitlines(keepends=True):
-            by_id[str(json.loads(raw)["id"])] = raw
+        lines = path.read_bytes().splitlines(keepends=True)
+        if lines and not lines[-1].endswith(b"\n"):  # torn by a kill: that record is missing (the run resumes it)
+            lines.pop()
+        for line_no, raw in enumerate(lines, 1):
+            try:
+                by_id[str(json.loads(raw)["id"])] = raw
+            except (json.JSONDecodeError, KeyError, TypeError) as err:
+                raise DSparkError(f"{path}:{line_no}: not a regenerated record ({err})") from err
     missing = [i for i in order if i not in by_id]
     if missing:
         raise DSparkError(f"{len(missing)} of {len(order)} prompts of {prompts_jsonl} have no record in the shards "
