@@ -34,7 +34,9 @@ fi
 shards=()
 for ((k = 0; k < SHARDS; k++)); do
   shards+=("$R/regenerated-S3.shard$k.jsonl")
-  taskset -c $((k % $(nproc))) $DSPARK --threads 1 data regenerate --prompts "$R/prompts-S3.jsonl" \
+  pin=()  # one core per shard where taskset exists
+  command -v taskset > /dev/null && pin=(taskset -c $((k % $(nproc))))
+  "${pin[@]}" $DSPARK --threads 1 data regenerate --prompts "$R/prompts-S3.jsonl" \
     --out "$R/regenerated-S3.shard$k.jsonl" --dtype bfloat16 --batch-size 32 --max-new-tokens 256 --seed 21 \
     --shard "$k/$SHARDS" > "$R/regen-S3.shard$k.log" 2>&1 &
 done
