@@ -194,6 +194,8 @@ def test_merge_refuses_an_unfinished_shard_and_a_bad_shard_spec(tmp_path):
     with pytest.raises(DSparkError, match=r"1 of 3 prompts .* no record .*\(first: b\)"):
         merge_shards(src, [shard], tmp_path / "m.jsonl")
     assert not (tmp_path / "m.jsonl").exists()
+    with pytest.raises(DSparkError, match=r"nope.jsonl not found"):
+        merge_shards(tmp_path / "nope.jsonl", [shard], tmp_path / "m.jsonl")
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": "a"}\n[1, 2]\n')
     with pytest.raises(DSparkError, match=r"bad.jsonl:2: not a regenerated record"):

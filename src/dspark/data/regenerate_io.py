@@ -154,6 +154,8 @@ def parse_shard(spec: str | None) -> tuple[int, int] | None:
 def merge_shards(prompts_jsonl: Path, shard_files: list[Path], out_jsonl: Path) -> int:
     """Write the records of `--shard` runs to `out_jsonl` (atomically) in the prompt file's order. Refuses a prompt
     with no record (a shard unfinished) or a record of no prompt; returns the number of records."""
+    if not prompts_jsonl.exists():
+        raise DSparkError(f"{prompts_jsonl} not found: give the prompt file the shards answered (--prompts)")
     order = [str(rec.get("id", line)) for line, rec in enumerate(read_jsonl(prompts_jsonl))]
     by_id: dict[str, bytes] = {}
     for path in shard_files:

@@ -34,9 +34,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from dspark.data.prompt_sources import Candidate, as_math_prompt
 from dspark.errors import DSparkError
-
-Candidate = tuple[str, str]  # (source item key, prompt text), as in dspark.data.prompt_sources
 
 LIVECODEBENCH_FIRST_LEETCODE = 2660  # LeetCode's numbering in May 2023, where LiveCodeBench's problems start
 MAX_CHARS = 2000  # longer requests leave too little of a 1,024-token training sequence for the answer
@@ -211,8 +210,6 @@ def _user_questions(archive: _Archive) -> Iterator[Candidate]:
 
 
 def _olympiad(archive: _Archive) -> Iterator[Candidate]:
-    from dspark.data.prompt_sources import as_math_prompt
-
     for name in archive.matching("champ_dataset/dataset_files/", ".json"):
         problems = json.loads(archive.text(name)).get("problems", {})
         for key, problem in sorted(problems.items()) if isinstance(problems, dict) else []:
