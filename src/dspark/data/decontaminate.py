@@ -110,7 +110,12 @@ class PromptFilter:
     max_eval_overlap: float | None = 0.5
     max_chars: int = 6000
     seen: set[str] = field(default_factory=set)
+    excluded: set[str] = field(default_factory=set)
     dropped: Counter = field(default_factory=Counter)
+
+    def exclude(self, texts: Iterable[str]) -> None:
+        """Never accept these prompts (an earlier prompt set's): dropped as "excluded"."""
+        self.excluded.update(normalise(t) for t in texts)
 
     def accept(self, key: str, text: str) -> bool:
         norm = normalise(text)
@@ -118,6 +123,8 @@ class PromptFilter:
             reason = "other_split"
         elif not norm or len(text) > self.max_chars:
             reason = "length"
+        elif norm in self.excluded:
+            reason = "excluded"
         elif norm in self.seen:
             reason = "duplicate"
         elif self.eval_index.matches(norm):

@@ -444,6 +444,7 @@ DEFAULT_WEIGHTS = {
     "chatterbot": 1.0, "python_docs": 1.0, "pydoc_topics": 0.5, "stdlib_docs": 0.5, "openai_evals": 1.0,
     # package-registry archives (dspark.data.registry_sources), read only when a folder of them is given
     "leetcode": 1.0, "instructions": 1.0, "advice": 1.0, "user_questions": 1.0, "olympiad": 1.0,
+    "search_questions": 1.0, "summaries": 1.0, "word_problems": 1.0, "open_questions": 1.0,
 }
 
 

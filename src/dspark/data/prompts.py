@@ -112,14 +112,30 @@ def record_id(source: str, text: str) -> str:
     return f"{source}-{hashlib.sha1(text.encode('utf-8')).hexdigest()[:12]}"
 
 
+def first_turns(path: Path) -> Iterator[str]:
+    """The first user turn of every record of a prompt file; a missing or damaged file is a one-line error."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                try:
+                    yield json.loads(line)["conversations"][0]["content"]
+                except (json.JSONDecodeError, KeyError, IndexError, TypeError) as err:
+                    raise DSparkError(f"{path}, line {number}: not a prompt record of `dspark data prompts` "
+                                      f"({type(err).__name__})") from err
+    except OSError as err:
+        raise DSparkError(f"{path}: cannot read the prompt file to exclude ({err.strerror})") from err
+
+
 def build_prompt_set(out_path: str | Path, num_prompts: int, mix: str | dict[str, float] | None = None,
                      seed: int = 0, eval_dir: str | Path | None = None, *,
                      sources: list[PromptSource] | None = None, max_eval_overlap: float | None = 0.5,
-                     allow_short: bool = False, progress: bool = True) -> PromptSetSummary:
+                     allow_short: bool = False, progress: bool = True,
+                     exclude: Iterable[str | Path] | None = None) -> PromptSetSummary:
     """Write `num_prompts` training prompts, mixed by domain, as JSONL (see the module docstring).
 
     Deterministic for a given seed, source data and Python version. Raises DSparkError when a domain
-    cannot be filled, unless `allow_short` (then that domain is written short).
+    cannot be filled, unless `allow_short` (then that domain is written short). The prompts of the files in
+    `exclude` (earlier prompt sets) are not drawn again.
     """
     from tqdm.auto import tqdm
 
@@ -128,6 +144,8 @@ def build_prompt_set(out_path: str | Path, num_prompts: int, mix: str | dict[str
     counts = domain_counts(num_prompts, parse_mix(mix))
     keep = PromptFilter(EvalIndex.from_dir(find_eval_dir(eval_dir)), keep_reserved=False,
                         max_eval_overlap=max_eval_overlap)
+    for path in exclude or ():
+        keep.exclude(first_turns(Path(path)))
     sources = default_sources() if sources is None else sources
     chosen: list[tuple[PromptSource, str]] = []
     with tqdm(total=num_prompts, desc="prompts", unit="prompt", disable=not progress) as bar:

