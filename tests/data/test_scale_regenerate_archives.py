@@ -1,4 +1,4 @@
-"""scripts/scale_regenerate_archives.sh: stages 3 and 4, their commands in order, the refusal, and running once (no
+"""scripts/scale_regenerate_archives.sh: stages 3, 4 and 5, their commands in order, the refusal, and running once (no
 model needed)."""
 
 import json
@@ -15,7 +15,7 @@ with open({calls!r}, "a") as f:
     f.write(" ".join(args) + "\\n")
 if args[:2] == ["data", "merge"]:  # the merged file: one record per prompt of the stage
     open(args[args.index("--out") + 1], "w").write('{{"id": "new-a"}}\\n{{"id": "new-b"}}\\n')
-if args[:2] == ["data", "prompts"]:
+if args[:2] == ["data", "prompts"] or "self-prompts" in args:
     open(args[args.index("--out") + 1], "w").write('{{"id": "new-a"}}\\n{{"id": "new-b"}}\\n')
 """
 
@@ -31,8 +31,9 @@ def _run(tmp_path: Path, answers: int, stage: int = 3, prompts_built: bool = Tru
     if prompts_built:
         (r / f"prompts-S{stage}.jsonl").write_text('{"id": "new-a"}\n{"id": "new-b"}\n')  # as `data prompts` built it
     slicing = tmp_path / "slices.tsv"
-    # stages 1-2 end at line 3 (R4); stage 3 at line 5 (R5)
-    slicing.write_text("R1\t0\t1\nR4\t1\t3\n" + ("R5\t3\t5\n" if stage == 4 and stage_3_sliced else ""))
+    # stages 1-2 end at line 3 (R4); stage 3 at line 5 (R5), stage 4 at line 7 (R6)
+    slicing.write_text("R1\t0\t1\nR4\t1\t3\n" + ("R5\t3\t5\n" if stage >= 4 and stage_3_sliced else "")
+                       + ("R6\t5\t7\n" if stage == 5 else ""))
     env = {"PATH": os.environ["PATH"], "R": str(r), "DSPARK": str(stub), "SLICING": str(slicing),
            "PYTHON": sys.executable, "SHARDS": "2", "STAGE": str(stage)}
     return subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, env=env)
@@ -91,4 +92,21 @@ def test_stage_3_turns_the_later_sources_off_and_a_bad_stage_is_refused(tmp_path
     assert early.returncode == 2 and "no slice R5" in early.stdout and "run stage 3 first" in early.stdout
     bad = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True,
                          env={"PATH": os.environ["PATH"], "STAGE": "7"})
-    assert bad.returncode == 2 and "STAGE must be 3 or 4, not 7" in bad.stdout
+    assert bad.returncode == 2 and "STAGE must be 3, 4 or 5, not 7" in bad.stdout
+
+
+def test_stage_5_has_the_target_write_its_prompts_and_excludes_stages_3_4(tmp_path):
+    done = _run(tmp_path, answers=7, stage=5, prompts_built=False)
+    assert done.returncode == 0, done.stderr + done.stdout
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert not any("fetch-archives" in c or c.startswith("data prompts") for c in calls)
+    [prompts] = [c for c in calls if "data self-prompts" in c]
+    assert prompts.startswith("--threads 2 data self-prompts") and "--seed 51" in prompts
+    assert f"--out {tmp_path}/r/prompts-S5.jsonl" in prompts and "--dtype bfloat16" in prompts
+    assert prompts.endswith(f"--exclude {tmp_path}/r/prompts-S3.jsonl {tmp_path}/r/prompts-S4.jsonl")
+    assert all("regenerated-S5.shard" in c for c in calls if "data regenerate" in c)
+    lines = (tmp_path / "r" / "regenerated-R.jsonl").read_text().splitlines()
+    assert [json.loads(x)["id"] for x in lines][7:] == ["new-a", "new-b"]
+    (tmp_path / "early").mkdir()  # a machine where stage 4 has not been appended
+    early = _run(tmp_path / "early", answers=5, stage=5)
+    assert early.returncode == 2 and "not the 7 that end slice R6" in early.stdout

