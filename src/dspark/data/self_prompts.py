@@ -3,7 +3,8 @@
 An instruct model rendered up to the start of a user turn (its chat template with the user's content cut
 off) continues with a user request: the kind of request its own instruction tuning showed it. Sampled many
 times, that is a prompt source with no end and no download, shaped like what users ask the model: new
-kinds of prompt once the offline sources are asked (docs/training.md §Data).
+kinds of prompt once the offline sources are asked (docs/training.md §Data; the run that used it:
+docs/reports/training-scale.md §Stage 5: prompts the target writes itself (shipped)).
 
 A domain is steered by a *starter*, the first words of the user turn ("Write a Python function",
 "How many"); the target writes the rest. Chat also samples from the bare prefix. A sample is kept when the
