@@ -14,12 +14,12 @@
 #   (R=runs/scale SHARDS=2: one process per core)
 #
 # Each stage goes on after the one before it: the script refuses unless regenerated-R.jsonl ends exactly where the
-# slice before the stage ends in the committed slicing (R4 for stage 3, R5 for stage 4, R6 for stage 5), because the stage's records
-# go on after them as the next slice (scripts/scale_regen_features.sh makes it). Resumable: the prompt file is built
-# once, each shard resumes its own file, the merge and the appends run once. The same sampling as stages 1-2
-# (temperature 0.7, top-p 0.8, top-k 20, 256 new tokens, bf16, seed 21 by the line of the stage's prompt file). The
-# answers are not archived in git; on a fresh machine this script makes them again (30-40 minutes on both cores; stage
-# 5 also writes its prompts first, 18 minutes).
+# slice before the stage ends in the committed slicing (R4 for stage 3, R5 for stage 4, R6 for stage 5), because the
+# stage's records go on after them as the next slice (scripts/scale_regen_features.sh makes it). Resumable: the
+# prompt file is built once, each shard resumes its own file, the merge and the appends run once. The same sampling
+# as stages 1-2 (temperature 0.7, top-p 0.8, top-k 20, 256 new tokens, bf16, seed 21 by the line of the stage's
+# prompt file). The answers are not archived in git; on a fresh machine this script makes them again (30-40
+# minutes on both cores; stage 5 also writes its prompts first, 18 minutes).
 set -euo pipefail
 DSPARK=${DSPARK:-.venv/bin/dspark}
 R=${R:-runs/scale}

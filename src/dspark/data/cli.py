@@ -211,6 +211,7 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     from dspark.data.label import DEFAULT_MAX_ANSWER_CHARS, DEFAULT_WEIGHTS as LABEL_WEIGHTS
     from dspark.data.prompt_sources import DEFAULT_WEIGHTS
     from dspark.data.registry_sources import ARCHIVES
+    from dspark.data.self_prompts import DEFAULT_MIX_SPEC as SELF_MIX
 
     data = subparsers.add_parser(
         "data", help="build training data: prompts, regenerated responses, tokenized dataset",
@@ -267,7 +268,7 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     self_prompts.add_argument("--out", type=Path, required=True, metavar="FILE",
                               help="output JSONL file (written atomically)")
     self_prompts.add_argument("--num", type=int, required=True, metavar="N", help="number of prompts to write")
-    self_prompts.add_argument("--mix", default="math=0.35,code=0.25,chat=0.4",
+    self_prompts.add_argument("--mix", default=SELF_MIX,
                               help="domain proportions, normalised to sum 1 (default: %(default)s)")
     self_prompts.add_argument("--seed", type=int, default=0, metavar="S",
                               help="the same seed reproduces the file (default: %(default)s)")

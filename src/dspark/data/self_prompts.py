@@ -25,17 +25,19 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dspark.data.decontaminate import EvalIndex, PromptFilter
 from dspark.data.eval_sets import find_eval_dir
 from dspark.data.prompts import (PromptSetSummary, domain_counts, first_turns, parse_mix, record_id,
                                  write_jsonl)
 from dspark.errors import DSparkError
-from dspark.sampling.processing import SamplingParams
-from dspark.target.model import TargetModel
+
+if TYPE_CHECKING:
+    from dspark.target.model import TargetModel
 
 SOURCE = "self_prompts"
-DEFAULT_MIX = {"math": 0.35, "code": 0.25, "chat": 0.4}
+DEFAULT_MIX_SPEC = "math=0.35,code=0.25,chat=0.4"
 # the first words of a user turn, per domain; "" samples from the bare user prefix
 STARTERS: dict[str, tuple[str, ...]] = {
     "math": ("How many", "What is the probability that", "Find all", "Find the", "Solve for", "Compute",
@@ -69,7 +71,7 @@ class SelfPromptStats:
     rejected: Counter = field(default_factory=Counter)  # by reason: unfinished, short, long, unreadable
 
 
-def user_prefix(target: TargetModel) -> str:
+def user_prefix(target: "TargetModel") -> str:
     """The chat template rendered up to where the first user turn's content starts (the default system
     message included where the template adds one). Raises DSparkError when the tokenizer has no template."""
     tok = target.tokenizer
@@ -113,7 +115,7 @@ def plan_draws(counts: dict[str, int], seed: int, start: int, n: int) -> list[Dr
 class TargetWriter:
     """Samples user turns from the target through the continuous-batching engine (no drafter)."""
 
-    def __init__(self, target: TargetModel, batch_size: int, max_new_tokens: int, temperature: float,
+    def __init__(self, target: "TargetModel", batch_size: int, max_new_tokens: int, temperature: float,
                  top_p: float, seed: int) -> None:
         from dspark.serving.engine import Engine, EngineConfig
 
@@ -121,7 +123,6 @@ class TargetWriter:
         self.sampling = dict(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens)
         self.prefix = user_prefix(target)
         self.engine = Engine(target, config=EngineConfig(max_batch=batch_size, max_queue=8 * batch_size))
-        self.batch_size = batch_size
 
     def __enter__(self) -> "TargetWriter":
         self.engine.start()
@@ -131,6 +132,8 @@ class TargetWriter:
         self.engine.stop()
 
     async def _one(self, draw: Draw) -> Draw:
+        from dspark.sampling.processing import SamplingParams
+
         tok = self.target.tokenizer
         ids = tok.encode(self.prefix + draw.starter, add_special_tokens=False)
         params = SamplingParams(self.sampling["temperature"], 0, self.sampling["top_p"],
@@ -157,7 +160,7 @@ class TargetWriter:
         return asyncio.run(wave())
 
 
-def build_self_prompt_set(target: TargetModel, out_path: str | Path, num_prompts: int,
+def build_self_prompt_set(target: "TargetModel", out_path: str | Path, num_prompts: int,
                           mix: str | dict[str, float] | None = None, seed: int = 0,
                           eval_dir: str | Path | None = None, *, max_eval_overlap: float | None = 0.5,
                           exclude: Iterable[str | Path] | None = None, batch_size: int = 32,
@@ -172,7 +175,7 @@ def build_self_prompt_set(target: TargetModel, out_path: str | Path, num_prompts
 
     if num_prompts <= 0:
         raise DSparkError("the number of prompts must be positive")
-    counts = domain_counts(num_prompts, parse_mix(mix or DEFAULT_MIX))
+    counts = domain_counts(num_prompts, parse_mix(mix or DEFAULT_MIX_SPEC))
     keep = PromptFilter(EvalIndex.from_dir(find_eval_dir(eval_dir)), keep_reserved=False,
                         max_eval_overlap=max_eval_overlap, max_chars=MAX_CHARS)
     for path in exclude or ():
