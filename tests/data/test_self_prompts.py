@@ -124,3 +124,16 @@ def test_too_few_usable_samples_is_a_one_line_error(tmp_path):
         build_self_prompt_set(chat_target(), tmp_path / "x.jsonl", 50, mix="math=1", max_draws=8, batch_size=4,
                               max_eval_overlap=None, progress=False)
     assert not (tmp_path / "x.jsonl").exists()
+
+
+@pytest.mark.parametrize("flag", ["--batch-size", "--max-new-tokens", "--max-draws"])
+def test_cli_refuses_counts_below_one_in_one_line(flag, capsys):
+    import argparse
+
+    from dspark.data.cli import add_cli
+
+    parser = argparse.ArgumentParser(prog="dspark")
+    add_cli(parser.add_subparsers())
+    with pytest.raises(SystemExit):
+        parser.parse_args(["data", "self-prompts", "--out", "x.jsonl", "--num", "5", flag, "0"])
+    assert f"argument {flag}: expected a number >= 1, got 0" in capsys.readouterr().err

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from dspark.cli_options import add_device_option, add_dtype_option, add_target_options
+from dspark.cli_options import add_device_option, add_dtype_option, add_target_options, positive
 from dspark.errors import DSparkError
 from dspark.target.presets import DEFAULT_TARGET
 
@@ -265,28 +265,16 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
                     "prompts`, for `dspark data regenerate`.")
     self_prompts.add_argument("--target", default=DEFAULT_TARGET, help="preset or HF folder (default: %(default)s)")
     add_target_options(self_prompts)
-    self_prompts.add_argument("--out", type=Path, required=True, metavar="FILE",
-                              help="output JSONL file (written atomically)")
-    self_prompts.add_argument("--num", type=int, required=True, metavar="N", help="number of prompts to write")
-    self_prompts.add_argument("--mix", default=SELF_MIX,
-                              help="domain proportions, normalised to sum 1 (default: %(default)s)")
-    self_prompts.add_argument("--seed", type=int, default=0, metavar="S",
-                              help="the same seed reproduces the file (default: %(default)s)")
-    self_prompts.add_argument("--eval-dir", type=Path, default=None, metavar="DIR",
-                              help="folder of evaluation {\"turns\": [...]} JSONL files to stay disjoint from "
-                                   "(default: $DSPARK_EVAL_DIR, else the eight sets shipped with dspark)")
-    self_prompts.add_argument("--max-eval-overlap", type=_overlap, default=0.5,
-                              help="drop prompts sharing more than this share of their word 8-grams (numbers masked) "
-                                   "with the evaluation sets; 'off' disables (default: %(default)s)")
+    _add_set_options(self_prompts, "prompts", "drop prompts sharing", mix=SELF_MIX, python_docs=False)
     self_prompts.add_argument("--exclude", type=Path, nargs="+", default=None, metavar="FILE",
                               help="prompt files (JSONL of `dspark data prompts`) whose prompts are not written again")
-    self_prompts.add_argument("--batch-size", type=int, default=32,
+    self_prompts.add_argument("--batch-size", type=positive, default=32,
                               help="samples the engine decodes together (default: %(default)s)")
-    self_prompts.add_argument("--max-new-tokens", type=int, default=128,
+    self_prompts.add_argument("--max-new-tokens", type=positive, default=128,
                               help="a sample that has not ended its turn by then is dropped (default: %(default)s)")
     self_prompts.add_argument("--temperature", type=float, default=0.8, help="(default: %(default)s)")
     self_prompts.add_argument("--top-p", type=float, default=0.95, help="(default: %(default)s)")
-    self_prompts.add_argument("--max-draws", type=int, default=None, metavar="N",
+    self_prompts.add_argument("--max-draws", type=positive, default=None, metavar="N",
                               help="give up after N samples (default: 4 per prompt)")
     self_prompts.add_argument("--allow-short", action="store_true",
                               help="write fewer prompts when --max-draws runs out instead of failing")
@@ -447,12 +435,13 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     return data
 
 
-def _add_set_options(p: argparse.ArgumentParser, what: str, overlap_drops: str) -> None:
-    """The options `data prompts` and `data label` share: output, size, domain mix, seed, disjointness from the
-    evaluation sets, the Python docs folder."""
+def _add_set_options(p: argparse.ArgumentParser, what: str, overlap_drops: str, mix: str = DEFAULT_MIX_SPEC,
+                     python_docs: bool = True) -> None:
+    """The options `data prompts`, `data label` and `data self-prompts` share: output, size, domain mix (default
+    ``mix``), seed, disjointness from the evaluation sets, and (``python_docs``) the Python docs folder."""
     p.add_argument("--out", type=Path, required=True, metavar="FILE", help="output JSONL file (written atomically)")
     p.add_argument("--num", type=int, required=True, metavar="N", help=f"number of {what} to write")
-    p.add_argument("--mix", default=DEFAULT_MIX_SPEC,
+    p.add_argument("--mix", default=mix,
                    help="domain proportions, normalised to sum 1 (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, metavar="S",
                    help="the same seed reproduces the file (default: %(default)s)")
@@ -462,6 +451,8 @@ def _add_set_options(p: argparse.ArgumentParser, what: str, overlap_drops: str) 
     p.add_argument("--max-eval-overlap", type=_overlap, default=0.5,
                    help=f"{overlap_drops} more than this share of their word 8-grams (numbers masked) with the "
                         "evaluation sets; 'off' disables (default: %(default)s)")
+    if not python_docs:
+        return
     p.add_argument("--python-doc-dir", type=Path, default=None, metavar="DIR",
                    help="reST sources of the Python docs (default: /usr/share/doc/python3.X/html/_sources from "
                         "Debian's python3.X-doc, skipped when absent)")
