@@ -1,4 +1,4 @@
-"""scripts/scale_regenerate_archives.sh: stages 3, 4 and 5, their commands in order, the refusal, and running once (no
+"""scripts/scale_regenerate_archives.sh: stages 3-6, their commands in order, the refusal, and running once (no
 model needed)."""
 
 import json
@@ -31,9 +31,9 @@ def _run(tmp_path: Path, answers: int, stage: int = 3, prompts_built: bool = Tru
     if prompts_built:
         (r / f"prompts-S{stage}.jsonl").write_text('{"id": "new-a"}\n{"id": "new-b"}\n')  # as `data prompts` built it
     slicing = tmp_path / "slices.tsv"
-    # stages 1-2 end at line 3 (R4); stage 3 at line 5 (R5), stage 4 at line 7 (R6)
+    # stages 1-2 end at line 3 (R4); stage 3 at line 5 (R5), stage 4 at line 7 (R6), stage 5 at line 9 (R7)
     slicing.write_text("R1\t0\t1\nR4\t1\t3\n" + ("R5\t3\t5\n" if stage >= 4 and stage_3_sliced else "")
-                       + ("R6\t5\t7\n" if stage == 5 else ""))
+                       + ("R6\t5\t7\n" if stage >= 5 else "") + ("R7\t7\t9\n" if stage == 6 else ""))
     env = {"PATH": os.environ["PATH"], "R": str(r), "DSPARK": str(stub), "SLICING": str(slicing),
            "PYTHON": sys.executable, "SHARDS": "2", "STAGE": str(stage)}
     return subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, env=env)
@@ -92,7 +92,7 @@ def test_stage_3_turns_the_later_sources_off_and_a_bad_stage_is_refused(tmp_path
     assert early.returncode == 2 and "no slice R5" in early.stdout and "run stage 3 first" in early.stdout
     bad = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True,
                          env={"PATH": os.environ["PATH"], "STAGE": "7"})
-    assert bad.returncode == 2 and "STAGE must be 3, 4 or 5, not 7" in bad.stdout
+    assert bad.returncode == 2 and "STAGE must be 3, 4, 5 or 6, not 7" in bad.stdout
 
 
 def test_stage_5_has_the_target_write_its_prompts_and_excludes_stages_3_4(tmp_path):
@@ -110,3 +110,18 @@ def test_stage_5_has_the_target_write_its_prompts_and_excludes_stages_3_4(tmp_pa
     (tmp_path / "early").mkdir()  # a machine where stage 4 has not been appended
     early = _run(tmp_path / "early", answers=5, stage=5)
     assert early.returncode == 2 and "not the 7 that end slice R6" in early.stdout
+
+
+def test_stage_6_writes_more_prompts_with_its_own_seed_and_excludes_stages_3_5(tmp_path):
+    done = _run(tmp_path, answers=9, stage=6, prompts_built=False)
+    assert done.returncode == 0, done.stderr + done.stdout
+    calls = (tmp_path / "calls").read_text().splitlines()
+    [prompts] = [c for c in calls if "data self-prompts" in c]
+    assert "--seed 61" in prompts and f"--out {tmp_path}/r/prompts-S6.jsonl" in prompts
+    r = tmp_path / "r"
+    assert prompts.endswith(f"--exclude {r}/prompts-S3.jsonl {r}/prompts-S4.jsonl {r}/prompts-S5.jsonl")
+    lines = (r / "regenerated-R.jsonl").read_text().splitlines()
+    assert [json.loads(x)["id"] for x in lines][9:] == ["new-a", "new-b"]
+    (tmp_path / "early").mkdir()  # stage 5 not appended yet
+    early = _run(tmp_path / "early", answers=7, stage=6)
+    assert early.returncode == 2 and "not the 9 that end slice R7" in early.stdout
