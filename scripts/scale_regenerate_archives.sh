@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Stages 3-6 of the on-policy answers (docs/reports/training-scale.md §Broader prompts: stage 3 (package-registry
+# Stages 3-7 of the on-policy answers (docs/reports/training-scale.md §Broader prompts: stage 3 (package-registry
 # archives, shipped), §Stage 4: questions, summaries and word problems (shipped),
 # §Stage 5: prompts the target writes itself (shipped) and
 # §Stage 6: more prompts the target writes itself (shipped)): the target's answers to prompts from package-registry
@@ -13,16 +13,18 @@
 #   STAGE=5 bash scripts/scale_regenerate_archives.sh   # prompts the target writes itself (`dspark data
 #                                                       # self-prompts`), none of stages 3-4's prompts again
 #   STAGE=6 bash scripts/scale_regenerate_archives.sh   # 5,000 more of them (another seed), none of stages 3-5's
+#   STAGE=7 bash scripts/scale_regenerate_archives.sh   # 5,000 more, half of them chat (the domain whose first
+#                                                       # draft position trails), none of stages 3-6's
 #   (R=runs/scale SHARDS=2: one process per core)
 #
 # Each stage goes on after the one before it: the script refuses unless regenerated-R.jsonl ends exactly where the
 # slice before the stage ends in the committed slicing (R4 for stage 3, R5 for stage 4, R6 for stage 5, R7 for
-# stage 6), because the
+# stage 6, R8 for stage 7), because the
 # stage's records go on after them as the next slice (scripts/scale_regen_features.sh makes it). Resumable: the
 # prompt file is built once, each shard resumes its own file, the merge and the appends run once. The same sampling
 # as stages 1-2 (temperature 0.7, top-p 0.8, top-k 20, 256 new tokens, bf16, seed 21 by the line of the stage's
 # prompt file). The answers are not archived in git; on a fresh machine this script makes them again (30-40
-# minutes on both cores; stages 5-6 also write their prompts first, 18-22 minutes).
+# minutes on both cores; stages 5-7 also write their prompts first, 18-22 minutes).
 set -euo pipefail
 DSPARK=${DSPARK:-.venv/bin/dspark}
 R=${R:-runs/scale}
@@ -41,7 +43,9 @@ case $STAGE in
      EXCLUDE=(--exclude "$R/prompts-S3.jsonl" "$R/prompts-S4.jsonl") ;;
   6) AFTER=R7; NUM=${NUM:-5000}; SEED=61; MIX=math=0.35,code=0.25,chat=0.4
      EXCLUDE=(--exclude "$R/prompts-S3.jsonl" "$R/prompts-S4.jsonl" "$R/prompts-S5.jsonl") ;;
-  *) echo "STAGE must be 3, 4, 5 or 6, not $STAGE"; exit 2 ;;
+  7) AFTER=R8; NUM=${NUM:-5000}; SEED=71; MIX=math=0.3,code=0.2,chat=0.5
+     EXCLUDE=(--exclude "$R/prompts-S3.jsonl" "$R/prompts-S4.jsonl" "$R/prompts-S5.jsonl" "$R/prompts-S6.jsonl") ;;
+  *) echo "STAGE must be 3, 4, 5, 6 or 7, not $STAGE"; exit 2 ;;
 esac
 S=S$STAGE
 [ -f "$R/regenerated-R.jsonl" ] || R="$R" bash scripts/scale_archive.sh restore

@@ -1,4 +1,4 @@
-"""scripts/scale_regenerate_archives.sh: stages 3-6, their commands in order, the refusal, and running once (no
+"""scripts/scale_regenerate_archives.sh: stages 3-7, their commands in order, the refusal, and running once (no
 model needed)."""
 
 import json
@@ -31,9 +31,10 @@ def _run(tmp_path: Path, answers: int, stage: int = 3, prompts_built: bool = Tru
     if prompts_built:
         (r / f"prompts-S{stage}.jsonl").write_text('{"id": "new-a"}\n{"id": "new-b"}\n')  # as `data prompts` built it
     slicing = tmp_path / "slices.tsv"
-    # stages 1-2 end at line 3 (R4); stage 3 at line 5 (R5), stage 4 at line 7 (R6), stage 5 at line 9 (R7)
+    # stages 1-2 end at line 3 (R4); stage 3 at line 5 (R5), stage 4 at line 7 (R6), stage 5 at line 9 (R7), stage 6 at line 11 (R8)
     slicing.write_text("R1\t0\t1\nR4\t1\t3\n" + ("R5\t3\t5\n" if stage >= 4 and stage_3_sliced else "")
-                       + ("R6\t5\t7\n" if stage >= 5 else "") + ("R7\t7\t9\n" if stage == 6 else ""))
+                       + ("R6\t5\t7\n" if stage >= 5 else "") + ("R7\t7\t9\n" if stage >= 6 else "")
+                       + ("R8\t9\t11\n" if stage == 7 else ""))
     env = {"PATH": os.environ["PATH"], "R": str(r), "DSPARK": str(stub), "SLICING": str(slicing),
            "PYTHON": sys.executable, "SHARDS": "2", "STAGE": str(stage)}
     return subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, env=env)
@@ -91,8 +92,8 @@ def test_stage_3_turns_the_later_sources_off_and_a_bad_stage_is_refused(tmp_path
     early = _run(tmp_path, answers=5, stage=4, stage_3_sliced=False)
     assert early.returncode == 2 and "no slice R5" in early.stdout and "run stage 3 first" in early.stdout
     bad = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True,
-                         env={"PATH": os.environ["PATH"], "STAGE": "7"})
-    assert bad.returncode == 2 and "STAGE must be 3, 4, 5 or 6, not 7" in bad.stdout
+                         env={"PATH": os.environ["PATH"], "STAGE": "8"})
+    assert bad.returncode == 2 and "STAGE must be 3, 4, 5, 6 or 7, not 8" in bad.stdout
 
 
 def test_stage_5_has_the_target_write_its_prompts_and_excludes_stages_3_4(tmp_path):
@@ -125,3 +126,14 @@ def test_stage_6_writes_more_prompts_with_its_own_seed_and_excludes_stages_3_5(t
     (tmp_path / "early").mkdir()  # stage 5 not appended yet
     early = _run(tmp_path / "early", answers=7, stage=6)
     assert early.returncode == 2 and "not the 9 that end slice R7" in early.stdout
+
+
+def test_stage_7_leans_to_chat_and_excludes_stages_3_6(tmp_path):
+    done = _run(tmp_path, answers=11, stage=7, prompts_built=False)
+    assert done.returncode == 0, done.stderr + done.stdout
+    [prompts] = [c for c in (tmp_path / "calls").read_text().splitlines() if "data self-prompts" in c]
+    assert "--seed 71" in prompts and "--mix math=0.3,code=0.2,chat=0.5" in prompts
+    r = tmp_path / "r"
+    assert prompts.endswith(" ".join(f"{r}/prompts-S{k}.jsonl" for k in (3, 4, 5, 6)))
+    lines = (r / "regenerated-R.jsonl").read_text().splitlines()
+    assert [json.loads(x)["id"] for x in lines][11:] == ["new-a", "new-b"]
