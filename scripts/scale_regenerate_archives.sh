@@ -34,19 +34,19 @@ SLICING=${SLICING:-datasets/smollm2-135m-regenerated/slices.tsv}
 # the first stages' sources and the later archive sources, off unless a stage turns them on
 OFF=gsm_symbolic=0,rg_math=0,codeio=0,stdlib=0,chatterbot=0,python_docs=0,pydoc_topics=0,stdlib_docs=0,openai_evals=0
 NEW4=search_questions=0,summaries=0,word_problems=0,open_questions=0
-case $STAGE in
-  3) AFTER=R4; NUM=${NUM:-4400}; SEED=31; MIX=math=0.06,code=0.3,chat=0.64; EXCLUDE=()
+case $STAGE in  # each stage's own size, seed, domain mix and (archive stages) source weights
+  3) NUM=${NUM:-4400}; SEED=31; MIX=math=0.06,code=0.3,chat=0.64
      WEIGHTS="$OFF,$NEW4,instructions=2,advice=1,user_questions=1" ;;
-  4) AFTER=R5; NUM=${NUM:-5200}; SEED=41; MIX=math=0.2,code=0.05,chat=0.75; EXCLUDE=(--exclude "$R/prompts-S3.jsonl")
+  4) NUM=${NUM:-5200}; SEED=41; MIX=math=0.2,code=0.05,chat=0.75
      WEIGHTS="$OFF,user_questions=3,search_questions=1.5,summaries=1,open_questions=1,word_problems=1" ;;
-  5) AFTER=R6; NUM=${NUM:-5000}; SEED=51; MIX=math=0.35,code=0.25,chat=0.4
-     EXCLUDE=(--exclude "$R/prompts-S3.jsonl" "$R/prompts-S4.jsonl") ;;
-  6) AFTER=R7; NUM=${NUM:-5000}; SEED=61; MIX=math=0.35,code=0.25,chat=0.4
-     EXCLUDE=(--exclude "$R/prompts-S3.jsonl" "$R/prompts-S4.jsonl" "$R/prompts-S5.jsonl") ;;
-  7) AFTER=R8; NUM=${NUM:-5000}; SEED=71; MIX=math=0.3,code=0.2,chat=0.5
-     EXCLUDE=(--exclude "$R/prompts-S3.jsonl" "$R/prompts-S4.jsonl" "$R/prompts-S5.jsonl" "$R/prompts-S6.jsonl") ;;
+  5 | 6) NUM=${NUM:-5000}; SEED=${STAGE}1; MIX=math=0.35,code=0.25,chat=0.4 ;;
+  7) NUM=${NUM:-5000}; SEED=71; MIX=math=0.3,code=0.2,chat=0.5 ;;
   *) echo "STAGE must be 3, 4, 5, 6 or 7, not $STAGE"; exit 2 ;;
 esac
+AFTER=R$((STAGE + 1))  # stage N goes on after slice R(N+1)
+EXCLUDE=()  # none of the earlier stages' prompts again
+for ((k = 3; k < STAGE; k++)); do EXCLUDE+=("$R/prompts-S$k.jsonl"); done
+[ ${#EXCLUDE[@]} -eq 0 ] || EXCLUDE=(--exclude "${EXCLUDE[@]}")
 S=S$STAGE
 [ -f "$R/regenerated-R.jsonl" ] || R="$R" bash scripts/scale_archive.sh restore
 BEFORE=$(awk -F'\t' -v s="$AFTER" '$1 == s {print $3}' "$SLICING")  # the stages before end here
