@@ -5,6 +5,9 @@
 # the drafter is short of data; level ones that more of the same data adds steps, not knowledge.
 #
 #   bash scripts/heldout_check.sh                   # DRAFTER=checkpoints/smollm2-135m-dspark NUM=480 R=runs/scale
+#   SAMPLING="--temperature 1 --top-p 1 --top-k 0" H=runs/scale/heldout-t1 bash scripts/heldout_check.sh
+#                                                   # the held-out and benchmark answers sampled as the temperature-1
+#                                                   # evaluation samples: is the drafter worse on such contexts?
 #
 # Held-out: `dspark data prompts --num NUM --seed 31` (another draw of the same prompt sources), those whose ids the
 # training answers ($R/regenerated-R.jsonl) hold dropped, answered by the target in process as
@@ -21,6 +24,7 @@ R=${R:-runs/scale}
 H=${H:-$R/heldout}
 NUM=${NUM:-480}
 DRAFTER=${DRAFTER:-checkpoints/smollm2-135m-dspark}
+read -r -a SAMPLING <<< "${SAMPLING:-}"  # extra `dspark data regenerate` options for the answers made here
 [ -f "$R/regenerated-R.jsonl" ] || { echo "no $R/regenerated-R.jsonl (the training answers): bash scripts/scale_archive.sh restore"; exit 2; }
 mkdir -p "$H"
 if [ ! -f "$H/prompts.jsonl" ]; then
@@ -36,7 +40,7 @@ print(f"{len(new)} held-out prompts ({len(lines) - len(new)} drawn ones were ans
 PY
 fi
 $DSPARK --threads 1 data regenerate --prompts "$H/prompts.jsonl" --out "$H/regenerated.jsonl" --dtype bfloat16 \
-  --batch-size 32 --max-new-tokens 256 --seed 31
+  --batch-size 32 --max-new-tokens 256 --seed 31 "${SAMPLING[@]}"
 if [ ! -f "$H/trained.jsonl" ]; then  # the same prompt sources in the same numbers, from the training answers
   .venv/bin/python - "$R/regenerated-R.jsonl" "$H/regenerated.jsonl" "$H/trained.jsonl" <<'PY'
 import collections, json, sys
@@ -65,7 +69,7 @@ with open(sys.argv[1], "w", encoding="utf-8") as f:
                                 "conversations": [{"role": "user", "content": s.prompt}]}) + "\n")
 PY
   $DSPARK --threads 1 data regenerate --prompts "$H/benchmarks-prompts.jsonl" --out "$H/benchmarks.jsonl.part" \
-    --dtype bfloat16 --batch-size 32 --max-new-tokens 256 --seed 31
+    --dtype bfloat16 --batch-size 32 --max-new-tokens 256 --seed 31 "${SAMPLING[@]}"
   mv "$H/benchmarks.jsonl.part" "$H/benchmarks.jsonl"
 fi
 for side in trained heldout benchmarks; do

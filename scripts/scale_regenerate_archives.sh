@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Stages 3-7 of the on-policy answers (docs/reports/training-scale.md §Broader prompts: stage 3 (package-registry
+# Stages 3-8 of the on-policy answers (docs/reports/training-scale.md §Broader prompts: stage 3 (package-registry
 # archives, shipped), §Stage 4: questions, summaries and word problems (shipped),
 # §Stage 5: prompts the target writes itself (shipped) and
 # §Stage 6: more prompts the target writes itself (shipped)): the target's answers to prompts from package-registry
@@ -15,16 +15,19 @@
 #   STAGE=6 bash scripts/scale_regenerate_archives.sh   # 5,000 more of them (another seed), none of stages 3-5's
 #   STAGE=7 bash scripts/scale_regenerate_archives.sh   # 5,000 more, half of them chat (the domain whose first
 #                                                       # draft position trails), none of stages 3-6's
+#   STAGE=8 bash scripts/scale_regenerate_archives.sh   # 5,000 more (stages 5-6's mix), none of stages 3-7's,
+#                                                       # answered by plain sampling at temperature 1 (no top-p or
+#                                                       # top-k): the contexts a temperature-1 user's requests make
 #   (R=runs/scale SHARDS=2: one process per core)
 #
 # Each stage goes on after the one before it: the script refuses unless regenerated-R.jsonl ends exactly where the
 # slice before the stage ends in the committed slicing (R4 for stage 3, R5 for stage 4, R6 for stage 5, R7 for
-# stage 6, R8 for stage 7), because the
+# stage 6, R8 for stage 7, R9 for stage 8), because the
 # stage's records go on after them as the next slice (scripts/scale_regen_features.sh makes it). Resumable: the
-# prompt file is built once, each shard resumes its own file, the merge and the appends run once. The same sampling
-# as stages 1-2 (temperature 0.7, top-p 0.8, top-k 20, 256 new tokens, bf16, seed 21 by the line of the stage's
-# prompt file). The answers are not archived in git; on a fresh machine this script makes them again (30-40
-# minutes on both cores; stages 5-7 also write their prompts first, 18-22 minutes).
+# prompt file is built once, each shard resumes its own file, the merge and the appends run once. Stages 3-7 sample
+# as stages 1-2 (temperature 0.7, top-p 0.8, top-k 20), stage 8 at temperature 1 without top-p or top-k; all with 256
+# new tokens, bf16, seed 21 by the line of the stage's prompt file. The answers are not archived in git; on a fresh machine this script makes them again (30-40
+# minutes on both cores; stages 5-8 also write their prompts first, 18-22 minutes).
 set -euo pipefail
 DSPARK=${DSPARK:-.venv/bin/dspark}
 R=${R:-runs/scale}
@@ -41,8 +44,11 @@ case $STAGE in  # each stage's own size, seed, domain mix and (archive stages) s
      WEIGHTS="$OFF,user_questions=3,search_questions=1.5,summaries=1,open_questions=1,word_problems=1" ;;
   5 | 6) NUM=${NUM:-5000}; SEED=${STAGE}1; MIX=math=0.35,code=0.25,chat=0.4 ;;
   7) NUM=${NUM:-5000}; SEED=71; MIX=math=0.3,code=0.2,chat=0.5 ;;
-  *) echo "STAGE must be 3, 4, 5, 6 or 7, not $STAGE"; exit 2 ;;
+  8) NUM=${NUM:-5000}; SEED=81; MIX=math=0.35,code=0.25,chat=0.4 ;;
+  *) echo "STAGE must be 3, 4, 5, 6, 7 or 8, not $STAGE"; exit 2 ;;
 esac
+SAMPLING=(--temperature 0.7 --top-p 0.8 --top-k 20)  # DeepSpec's (`dspark data regenerate`'s defaults)
+[ "$STAGE" -eq 8 ] && SAMPLING=(--temperature 1 --top-p 1 --top-k 0)  # plain sampling, as the T=1 evaluation
 AFTER=R$((STAGE + 1))  # stage N goes on after slice R(N+1)
 EXCLUDE=()  # none of the earlier stages' prompts again
 for ((k = 3; k < STAGE; k++)); do EXCLUDE+=("$R/prompts-S$k.jsonl"); done
@@ -73,7 +79,7 @@ for ((k = 0; k < SHARDS; k++)); do
   command -v taskset > /dev/null && pin=(taskset -c $((k % $(nproc))))
   "${pin[@]}" $DSPARK --threads 1 data regenerate --prompts "$R/prompts-$S.jsonl" \
     --out "$R/regenerated-$S.shard$k.jsonl" --dtype bfloat16 --batch-size 32 --max-new-tokens 256 --seed 21 \
-    --shard "$k/$SHARDS" > "$R/regen-$S.shard$k.log" 2>&1 &
+    "${SAMPLING[@]}" --shard "$k/$SHARDS" > "$R/regen-$S.shard$k.log" 2>&1 &
 done
 wait
 $DSPARK data merge --prompts "$R/prompts-$S.jsonl" --out "$R/regenerated-$S.jsonl" "${shards[@]}"

@@ -1,4 +1,4 @@
-"""scripts/scale_regenerate_archives.sh: stages 3-7, their commands in order, the refusal, and running once (no
+"""scripts/scale_regenerate_archives.sh: stages 3-8, their commands in order, the refusal, and running once (no
 model needed)."""
 
 import json
@@ -34,7 +34,7 @@ def _run(tmp_path: Path, answers: int, stage: int = 3, prompts_built: bool = Tru
     # stages 1-2 end at line 3 (R4); stage 3 at line 5 (R5), stage 4 at line 7 (R6), stage 5 at line 9 (R7), stage 6 at line 11 (R8)
     slicing.write_text("R1\t0\t1\nR4\t1\t3\n" + ("R5\t3\t5\n" if stage >= 4 and stage_3_sliced else "")
                        + ("R6\t5\t7\n" if stage >= 5 else "") + ("R7\t7\t9\n" if stage >= 6 else "")
-                       + ("R8\t9\t11\n" if stage == 7 else ""))
+                       + ("R8\t9\t11\n" if stage >= 7 else "") + ("R9\t11\t13\n" if stage >= 8 else ""))
     env = {"PATH": os.environ["PATH"], "R": str(r), "DSPARK": str(stub), "SLICING": str(slicing),
            "PYTHON": sys.executable, "SHARDS": "2", "STAGE": str(stage)}
     return subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, env=env)
@@ -48,6 +48,7 @@ def test_the_shards_run_then_merge_and_the_answers_go_on_after_stages_1_2(tmp_pa
     shards = sorted(c for c in calls if "data regenerate" in c)
     assert [c.split("--shard ")[1] for c in shards] == ["0/2", "1/2"]
     assert all("--seed 21" in c and "--max-new-tokens 256" in c and "--dtype bfloat16" in c for c in shards)
+    assert all("--temperature 0.7 --top-p 0.8 --top-k 20" in c for c in shards)  # DeepSpec's sampling
     assert calls[-1].startswith("data merge --prompts") and calls[-1].endswith("regenerated-S3.shard1.jsonl")
     lines = (tmp_path / "r" / "regenerated-R.jsonl").read_text().splitlines()
     assert [json.loads(x)["id"] for x in lines] == ["old0", "old1", "old2", "new-a", "new-b"]
@@ -92,8 +93,8 @@ def test_stage_3_turns_the_later_sources_off_and_a_bad_stage_is_refused(tmp_path
     early = _run(tmp_path, answers=5, stage=4, stage_3_sliced=False)
     assert early.returncode == 2 and "no slice R5" in early.stdout and "run stage 3 first" in early.stdout
     bad = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True,
-                         env={"PATH": os.environ["PATH"], "STAGE": "8"})
-    assert bad.returncode == 2 and "STAGE must be 3, 4, 5, 6 or 7, not 8" in bad.stdout
+                         env={"PATH": os.environ["PATH"], "STAGE": "9"})
+    assert bad.returncode == 2 and "STAGE must be 3, 4, 5, 6, 7 or 8, not 9" in bad.stdout
 
 
 def test_stage_5_has_the_target_write_its_prompts_and_excludes_stages_3_4(tmp_path):
@@ -137,3 +138,18 @@ def test_stage_7_leans_to_chat_and_excludes_stages_3_6(tmp_path):
     assert prompts.endswith(" ".join(f"{r}/prompts-S{k}.jsonl" for k in (3, 4, 5, 6)))
     lines = (r / "regenerated-R.jsonl").read_text().splitlines()
     assert [json.loads(x)["id"] for x in lines][11:] == ["new-a", "new-b"]
+
+
+def test_stage_8_answers_by_plain_sampling_at_temperature_1(tmp_path):
+    done = _run(tmp_path, answers=13, stage=8, prompts_built=False)
+    assert done.returncode == 0, done.stderr + done.stdout
+    calls = (tmp_path / "calls").read_text().splitlines()
+    [prompts] = [c for c in calls if "data self-prompts" in c]
+    assert "--seed 81" in prompts and "--mix math=0.35,code=0.25,chat=0.4" in prompts
+    r = tmp_path / "r"
+    assert prompts.endswith(" ".join(f"{r}/prompts-S{k}.jsonl" for k in (3, 4, 5, 6, 7)))
+    shards = [c for c in calls if "data regenerate" in c]
+    assert len(shards) == 2 and all("--temperature 1 --top-p 1 --top-k 0" in c for c in shards)
+    assert all("--top-p 0.8" not in c for c in shards)
+    lines = (r / "regenerated-R.jsonl").read_text().splitlines()
+    assert [json.loads(x)["id"] for x in lines][13:] == ["new-a", "new-b"]
