@@ -29,8 +29,8 @@
 # prompt file is built once, each shard resumes its own file, the merge and the appends run once. Stages 3-7 sample
 # as stages 1-2 (temperature 0.7, top-p 0.8, top-k 20), stage 8 at temperature 1 without top-p or top-k; all with 256
 # new tokens, bf16, seed 21 by the line of the stage's prompt file. The answers are not archived in git; on a fresh
-# machine this script makes them again (30-40 minutes on both cores; stages 5-8 also write
-# their prompts first, 18-22 minutes).
+# machine this script makes them again (30-40 minutes on both cores; stages 5-8 also write their prompts first,
+# 18-22 minutes).
 set -euo pipefail
 DSPARK=${DSPARK:-.venv/bin/dspark}
 R=${R:-runs/scale}
