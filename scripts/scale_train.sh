@@ -36,7 +36,8 @@
 #                                                # trains on those slices only (any regen run: SLICES="R1 R2 R3 R4"
 #                                                # resumes depth3-regen-all's dspark3-regen-R4 once R5 is listed),
 #                                                # SETS="--set model.num_anchors=64" adds training settings (the
-#                                                # warm-start ablation of training-scale.md)
+#                                                # warm-start ablation of training-scale.md); SLICES="T1R4"
+#                                                # reads scripts/scale_t1_answers.sh's slice
 #   bash scripts/scale_train.sh regen-next       # the continued runs (*-regen-cont) one pass further on the newest
 #                                                # slice only (*-regen-cont-R3 for slice R3; CONT_LR, KINDS as above)
 set -euo pipefail
@@ -111,7 +112,7 @@ for p in "${points[@]}"; do
       --set model.num_draft_layers=2
     continue
   fi
-  if [[ "$p" == regen* ]] && [ ! -s "$R/regen-slices.tsv" ]; then
+  if [[ "$p" == regen* ]] && [ -z "${SLICES:-}" ] && [ ! -s "$R/regen-slices.tsv" ]; then
     echo "no slices in $R/regen-slices.tsv: run scripts/scale_regen_features.sh first"; exit 2
   fi
   if [ "$p" = regen-cont ]; then  # warm start: the regen runs continued on the grown set of answers

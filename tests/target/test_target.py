@@ -147,3 +147,26 @@ def test_smollm2_logits_match_transformers(smollm2):
     H = smollm2.hidden_size
     for i, layer in enumerate(layers):  # context features: HF hidden_states[l + 1]
         assert (out.features[:, i * H : (i + 1) * H] - ref.hidden_states[layer + 1][0]).abs().max().item() < 1e-3
+
+
+@pytest.mark.slow
+def test_a_conversion_another_process_finished_first_is_used(smollm2, tmp_path, monkeypatch):
+    """Two shards start on a fresh machine: both convert the GGUF preset, the second rename finds the first's
+    folder. The second takes it instead of failing, and leaves no temporary folder behind."""
+    import tempfile
+
+    import dspark.target.convert as convert
+    from dspark.target.presets import PRESETS
+
+    out = tmp_path / "smollm2-135m"
+    real_mkdtemp = tempfile.mkdtemp
+
+    def other_process_finishes(*args, **kwargs):  # the other shard's folder appears while this one converts
+        out.mkdir()
+        (out / "config.json").write_text("{}")
+        return real_mkdtemp(*args, **kwargs)
+
+    monkeypatch.setattr(convert.tempfile, "mkdtemp", other_process_finishes)
+    assert convert.convert_gguf_preset(PRESETS["smollm2-135m"], out) == out
+    assert (out / "config.json").read_text() == "{}"
+    assert [p.name for p in tmp_path.iterdir()] == ["smollm2-135m"]

@@ -49,7 +49,12 @@ def convert_gguf_preset(preset: GGUFPreset, out_dir: Path | None = None) -> Path
         gen = model.generation_config.to_dict()
         (tmp / "generation_config.json").write_text(json.dumps(
             {k: gen[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in gen}, indent=2))
-        tmp.rename(out_dir)
+        try:
+            tmp.rename(out_dir)
+        except OSError:  # another process (a second shard on a fresh machine) converted it first: use its folder
+            if not (out_dir / "config.json").is_file():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
