@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Temperature-1 answers to prompts already answered (docs/reports/training-scale.md §Temperature-1 answers to slice R4's
-# prompts): the prompts of one committed slice of regenerated-R.jsonl (SLICE, default R4) answered again by plain
-# sampling at temperature 1 (no top-p, no top-k: the samples the temperature-1 evaluation draws), then tokenized and
-# cached as the training slice T1<SLICE> (features-T1R4 for R4). The same prompts at two samplings: a warm start on
-# the slice tells whether contexts sampled at temperature 1 lift the temperature-1 acceptance, without the hours of
-# self-written prompts stage 8 needs on a fresh machine (its prompts exclude stages 3-7's).
+# Temperature-1 answers to prompts already answered
+# (docs/reports/training-scale.md §Temperature-1 answers to slice R4's prompts): the prompts of one committed slice
+# of regenerated-R.jsonl (SLICE, default R4) answered again by plain sampling at temperature 1 (no top-p, no top-k:
+# the samples the temperature-1 evaluation draws), then tokenized and cached as the training slice T1<SLICE>
+# (features-T1R4 for R4). The same prompts at two samplings: a warm start on the slice tells whether contexts sampled
+# at temperature 1 lift the temperature-1 acceptance, without the hours of self-written prompts stage 8 needs on a
+# fresh machine (its prompts exclude stages 3-7's).
 #
 #   bash scripts/scale_t1_answers.sh                 # R=runs/scale SLICE=R4 SHARDS=2 PROCS=2 (both cores)
 #   NUM=3000 bash scripts/scale_t1_answers.sh        # the slice's first NUM prompts only
