@@ -6,6 +6,7 @@ tokens per step, ms per step) and what one more drafting request adds (ms, by re
 
     PYTHONPATH=src python scripts/policy_rates.py                      # 4 requests, 2 batches, 2 rounds
     PYTHONPATH=src python scripts/policy_rates.py --requests 1 --batches 4
+    PYTHONPATH=src python scripts/policy_rates.py --requests 16 --policies fixed:1,fixed:2,fixed:3,all,async
 
 The reference drafter with its STS, SmolLM2-135M in bf16, one thread. Timings: run it alone on the machine.
 """
@@ -27,7 +28,12 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2, help="times the whole comparison runs (the first warms up)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--policies", default=",".join(POLICIES),
+                   help="comma list: plain, all, async, alg1 or fixed:K (default: %(default)s)")
     args = p.parse_args()
+    args.policies = [x.strip() for x in args.policies.split(",") if x.strip()]
+    if not args.policies:
+        p.error("--policies names no policy")
     if min(args.requests, args.batches, args.rounds, args.max_new_tokens, args.threads) < 1:
         p.error("--requests, --batches, --rounds, --max-new-tokens and --threads must be >= 1")
 
@@ -61,7 +67,7 @@ def run(args: argparse.Namespace) -> None:
           f"(steps, tokens/step, ms/step) | one more drafting request (ms, by R) |")
     print("|---:|---|---:|---|---|---|---|")
     for rnd in range(1, args.rounds + 1):
-        for name in POLICIES:
+        for name in args.policies:
             gate = None
             if name == "plain":
                 gen = SpeculativeGenerator(target, None)

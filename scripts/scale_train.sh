@@ -19,6 +19,9 @@
 #   PROCS=2 bash scripts/scale_train.sh depth2-dflash-regen-all  # its DFlash twin at equal depth (dflash2-regen-R4)
 #   PROCS=2 bash scripts/scale_train.sh depth3-regen-all  # any depth N = 2..9 the same way (dspark3-regen-R4)
 #   PROCS=2 bash scripts/scale_train.sh depth2-rnn-regen-all  # DSpark with the RNN head (dsparkrnn2-regen-R4)
+#   EPOCHS=1 TAG=t1mix-R4 SLICES="T1R4 R4" PROCS=2 bash scripts/scale_train.sh depth2-regen-all depth2-dflash-regen-all
+#                                                # a DSpark / DFlash pair from scratch on other slices, named by TAG
+#                                                # (dspark2-regen-t1mix-R4, dflash2-regen-t1mix-R4)
 #   bash scripts/scale_train.sh layer-target-330 # DSpark with the target family's draft layer (dsparktl-330)
 #   bash scripts/scale_train.sh regen            # DSpark and DFlash on the on-policy slices (dspark-regen, dflash-regen)
 #   bash scripts/scale_train.sh regen-cont       # both continued on every slice from dspark-regen / dflash-regen
@@ -102,6 +105,7 @@ for p in "${points[@]}"; do
       rnn-) kind=dsparkrnn head=(--set model.markov_head_type=rnn) ;;
     esac
     slice=$(listed_slices | tail -n 1)  # SLICES="R1 R2 R3 R4" resumes the run named after R4 once R5 is listed
+    slice=${TAG:-$slice}  # TAG=x names the run ${kind}${depth}-regen-x instead (another mix of slices)
     train "${kind}${depth}-regen-$slice" "$preset" "$(caches_for regen)" all --set model.draft_layer=qwen3 \
       --set "model.num_draft_layers=$depth" --set "data=[]" "${head[@]}"
     continue
