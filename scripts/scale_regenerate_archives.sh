@@ -75,17 +75,8 @@ fi
 [ "$(wc -l < "$R/regenerated-R.jsonl")" -eq "$BEFORE" ] || { echo "$R/regenerated-R.jsonl has" \
   "$(wc -l < "$R/regenerated-R.jsonl") lines, not the $BEFORE that end slice $AFTER: finish the stages before" \
   "stage $STAGE first"; exit 2; }
-shards=()
-for ((k = 0; k < SHARDS; k++)); do
-  shards+=("$R/regenerated-$S.shard$k.jsonl")
-  pin=()  # one core per shard where taskset exists
-  command -v taskset > /dev/null && pin=(taskset -c $((k % $(nproc))))
-  "${pin[@]}" $DSPARK --threads 1 data regenerate --prompts "$R/prompts-$S.jsonl" \
-    --out "$R/regenerated-$S.shard$k.jsonl" --dtype bfloat16 --batch-size 32 --max-new-tokens 256 --seed 21 \
-    "${SAMPLING[@]}" --shard "$k/$SHARDS" > "$R/regen-$S.shard$k.log" 2>&1 &
-done
-wait
-$DSPARK data merge --prompts "$R/prompts-$S.jsonl" --out "$R/regenerated-$S.jsonl" "${shards[@]}"
+DSPARK=$DSPARK SHARDS=$SHARDS bash "$(dirname "$0")/regenerate_shards.sh" "$R/prompts-$S.jsonl" \
+  "$R/regenerated-$S.jsonl" "$R/regenerated-$S" "$R/regen-$S" "${SAMPLING[@]}"
 [ -f "$R/prompts-R.jsonl" ] && cat "$R/prompts-$S.jsonl" >> "$R/prompts-R.jsonl"  # a later stage 1-2 run skips them
 cat "$R/regenerated-$S.jsonl" >> "$R/regenerated-R.jsonl"
 echo "stage $STAGE: $(wc -l < "$R/regenerated-$S.jsonl") answers appended to $R/regenerated-R.jsonl (now $(wc -l < "$R/regenerated-R.jsonl") lines)"

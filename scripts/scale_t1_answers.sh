@@ -34,20 +34,8 @@ prompts=$R/prompts-$NAME.jsonl
 [ "$(wc -l < "$prompts")" -eq $((end - start)) ] || { echo "$prompts has $(wc -l < "$prompts") prompts, not" \
   "$((end - start)) (lines $start-$end of $SRC): move it aside"; exit 2; }
 echo "slice $NAME: the $((end - start)) prompts of lines $start-$end of $SRC at temperature 1"
-if [ ! -f "$R/regen-$NAME.jsonl" ]; then
-  shards=()
-  for ((k = 0; k < SHARDS; k++)); do
-    shards+=("$R/regen-$NAME.shard$k.jsonl")
-    pin=()  # one core per shard where taskset exists
-    command -v taskset > /dev/null && pin=(taskset -c $((k % $(nproc))))
-    "${pin[@]}" $DSPARK --threads 1 data regenerate --prompts "$prompts" --out "$R/regen-$NAME.shard$k.jsonl" \
-      --dtype bfloat16 --batch-size 32 --max-new-tokens 256 --seed 21 --temperature 1 --top-p 1 --top-k 0 \
-      --shard "$k/$SHARDS" > "$R/regen-$NAME.shard$k.log" 2>&1 &
-  done
-  wait
-  $DSPARK data merge --prompts "$prompts" --out "$R/regen-$NAME.jsonl.tmp" "${shards[@]}"
-  mv "$R/regen-$NAME.jsonl.tmp" "$R/regen-$NAME.jsonl"
-fi
+[ -f "$R/regen-$NAME.jsonl" ] || DSPARK=$DSPARK SHARDS=$SHARDS bash "$(dirname "$0")/regenerate_shards.sh" \
+  "$prompts" "$R/regen-$NAME.jsonl" "$R/regen-$NAME" "$R/regen-$NAME" --temperature 1 --top-p 1 --top-k 0
 [ -f "$R/tok-$NAME/manifest.json" ] || $DSPARK --threads 1 data tokenize --in "$R/regen-$NAME.jsonl" \
   --target smollm2-135m --out "$R/tok-$NAME" --max-length 1024
 [ -f "$R/features-$NAME/manifest.json" ] && { echo "slice $NAME: $R/features-$NAME (built)"; exit 0; }
