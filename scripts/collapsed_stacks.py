@@ -2,7 +2,7 @@
 line, frames joined by ``;``, then the sample count), as Markdown: self share, inclusive share, and the share of
 samples under each given frame (``--under``), e.g. the engine's steps that carry prompt pieces.
 
-    python scripts/collapsed_stacks.py runs/serve-profile/stacks.txt --under engine.py:400 --under step.py:289
+    python scripts/collapsed_stacks.py runs/serve-profile/stacks.txt --under engine.py:400 --under DSparkDrafter.propose
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def main() -> None:
         n, frames = int(count), stack.split(";")
         total += n
         own[frames[-1]] += n
-        for frame in set(frames):
+        for frame in dict.fromkeys(frames):  # once per stack, in stack order (ties print the same each run)
             inclusive[frame] += n
         for text in args.under:
             under[text] += n * any(text in f for f in frames)

@@ -49,6 +49,9 @@ sleep 5  # past the first prefills
   --nonblocking > "$OUT/py-spy.log" 2>&1
 wait $load
 mixed=$(grep -n 'self._step(with_prefill=True)' src/dspark/serving/engine.py | cut -d: -f1)  # the mixed steps' call
+[ -n "$mixed" ] || { echo "no mixed-step call in src/dspark/serving/engine.py: update this script"; exit 1; }
+drafter=""
+[ "$DRAFTER" = checkpoints/smollm2-135m-dspark ] || drafter="DRAFTER=$DRAFTER "
 "$PY" scripts/collapsed_stacks.py "$OUT/stacks.txt" --under "engine.py:$mixed" --under DSparkDrafter.propose \
-  --title "Written by \`POLICY=$POLICY CLIENTS=$CLIENTS NUM_REQUESTS=$NUM_REQUESTS MAX_TOKENS=$MAX_TOKENS bash \
-scripts/serve_profile.sh\` (py-spy on the engine core for $DURATION s, $RATE samples/s)." | tee "$OUT/profile.md"
+  --title "Written by \`${drafter}POLICY=$POLICY CLIENTS=$CLIENTS NUM_REQUESTS=$NUM_REQUESTS MAX_TOKENS=$MAX_TOKENS \
+bash scripts/serve_profile.sh\` (py-spy on the engine core for $DURATION s, $RATE samples/s)." | tee "$OUT/profile.md"
