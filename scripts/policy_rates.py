@@ -34,6 +34,14 @@ def main() -> None:
     args.policies = [x.strip() for x in args.policies.split(",") if x.strip()]
     if not args.policies:
         p.error("--policies names no policy")
+    from dspark.scheduler.adapter import PolicyError, parse_policy
+
+    for name in args.policies:  # a misspelt policy fails here, not after the model has loaded
+        if name != "plain":
+            try:
+                parse_policy(name)
+            except PolicyError as e:
+                p.error(str(e))
     if min(args.requests, args.batches, args.rounds, args.max_new_tokens, args.threads) < 1:
         p.error("--requests, --batches, --rounds, --max-new-tokens and --threads must be >= 1")
 
