@@ -9,6 +9,9 @@
 #   CAND=... TWIN=... EVAL=runs/scale/ref-eval bash scripts/reference_eval.sh
 #   CAND_NAME=dspark-3500 TWIN_NAME=dflash-3500 ...   # row names (the scaling report pools dspark-N/dflash-N rows)
 #   CALIBRATE=shipped ...                               # STS for the shipped drafter instead of the candidate
+#   EXTRA="eagle3-eq=runs/scale/train/eagle3-regen-t1mix-R4/step_latest" OUT=docs/reports/results-equal-data.md \
+#     FIGURES=equal-data TITLE="..." ...                 # more rows after the twin (their training runs tabled too),
+#                                                       # another page and figures folder (the equal-data Table 1)
 #
 # Every evaluation resumes per sample (an interrupted run goes on); the greedy and the temperature-1 runs go side
 # by side, one thread each. BATCH requests per static batch (default 8: acceptance does not depend on it, greedy
@@ -29,11 +32,13 @@ CAND_NAME=${CAND_NAME:-dspark}
 TWIN_NAME=${TWIN_NAME:-dflash}
 drafters=(--drafter "$CAND_NAME=$CAND" --drafter "shipped=$SHIPPED")
 [ -d "$TWIN" ] && drafters+=(--drafter "$TWIN_NAME=$TWIN")
+for extra in ${EXTRA:-}; do drafters+=(--drafter "$extra"); done
 drafters+=(--drafter prompt-lookup=prompt-lookup)
 # the drafter whose confidence head is calibrated (STS) and evaluated with it: the candidate, or CALIBRATE=shipped
 if [ "${CALIBRATE:-candidate}" = shipped ]; then cal_name=shipped cal_spec=$SHIPPED; else cal_name=$CAND_NAME cal_spec=$CAND; fi
 train=(--train "$CAND_NAME=$(dirname "$CAND")")
 [ -d "$TWIN" ] && train+=(--train "$TWIN_NAME=$(dirname "$TWIN")")
+for extra in ${EXTRA:-}; do train+=(--train "${extra%%=*}=$(dirname "${extra#*=}")"); done
 
 one_temperature() {  # T
   $DSPARK --threads 1 eval "${COMMON[@]}" --temperature "$1" --out "$EVAL/t$1" "${drafters[@]}"
@@ -52,5 +57,8 @@ one_temperature 0 > "$EVAL.t0.log" 2>&1 &
 } > "$EVAL.t1.log" 2>&1 &
 wait
 cmd="CAND=$CAND TWIN=$TWIN CAND_NAME=$CAND_NAME TWIN_NAME=$TWIN_NAME EVAL=$EVAL CALIB=$CALIB CALIBRATE=${CALIBRATE:-candidate}"
+[ -z "${EXTRA:-}" ] || cmd="$cmd EXTRA=\"$EXTRA\""
+[ -z "${OUT:-}" ] || cmd="$cmd OUT=$OUT FIGURES=${FIGURES:-reference} TITLE=\"${TITLE:-}\""
 .venv/bin/python scripts/reference_report.py --command "$cmd bash scripts/reference_eval.sh" --eval "$EVAL" --calibration "$CALIB" --sts-eval "$EVAL/t1-sts" \
-  "${train[@]}" --out docs/reports/results.md
+  "${train[@]}" --out "${OUT:-docs/reports/results.md}" --figures "${FIGURES:-reference}" \
+  --title "${TITLE:-Results: the reference drafter against its peers}"

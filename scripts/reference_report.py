@@ -9,7 +9,8 @@ every command and then this script:
 
 --eval holds t0 and t1 (the drafters side by side, the candidate `dspark` first: every paired difference is
 against it) and t0-hybrid, t1-hybrid (hybrid drafting with the candidate and with the shipped drafter).
-The per-position curves and the reliability diagram are copied to docs/reports/figures/reference/.
+The per-position curves and the reliability diagram are copied to docs/reports/figures/reference/ (--figures
+names another folder there, for a second page such as the equal-data Table 1 with Eagle3).
 """
 
 from __future__ import annotations
@@ -106,18 +107,23 @@ def main() -> int:
     p.add_argument("--out", default="docs/reports/results.md")
     p.add_argument("--command", default="bash scripts/reference_eval.sh",
                    help="the command that ran the evaluations, for the page (reference_eval.sh passes its own)")
+    p.add_argument("--title", default="Results: the reference drafter against its peers", help="the page's title")
+    p.add_argument("--figures", default="reference",
+                   help="folder under the page's figures/ that receives its plots (default: reference)")
     args = p.parse_args()
     out, ev = Path(args.out), Path(args.eval)
-    figures = out.parent / "figures" / "reference"
+    figures = out.parent / "figures" / args.figures
     figures.mkdir(parents=True, exist_ok=True)
     parts = [
-        "# Results: the reference drafter against its peers\n",
+        f"# {args.title}\n",
         "Paper Table 1 (acceptance length at temperature 0 and 1), the per-position curves and the confidence "
         "head's calibration. Rerun: `" + args.command + "` (it runs every evaluation, then "
         "`python scripts/reference_report.py` with its folders). Rows: the first (`dspark`, or `dspark-N` for a point of the scaling curve) = the candidate reference drafter "
         "(docs/reports/training-scale.md), `shipped` = the checkpoint in checkpoints/smollm2-135m-dspark when the "
         "evaluation ran, `dflash` (`dflash-N`) = DFlash trained beside the candidate on the same data and steps, "
-        "`prompt-lookup`, and `hybrid` / `hybrid-shipped` = `--hybrid` (prompt lookup on repeats, the trained "
+        "`eagle3` (`eagle3-eq`) = Eagle3 trained beside it on the same data, steps and draft vocabulary (one layer, "
+        "7-step training-time test; only where the run names one), `prompt-lookup`, and `hybrid` / `hybrid-shipped` "
+        "= `--hybrid` (prompt lookup on repeats, the trained "
         "drafter elsewhere) with the candidate / the shipped drafter. Brackets: 95 % bootstrap intervals over "
         "prompts (redrawn within each benchmark); paired differences use the same prompt draws for both rows.\n",
     ]

@@ -23,8 +23,9 @@
 #                                                # a DSpark / DFlash pair from scratch on other slices, named by TAG
 #                                                # (dspark2-regen-t1mix-R4, dflash2-regen-t1mix-R4)
 #   EPOCHS=1 TAG=t1mix-R4 SLICES="T1R4 R4" PROCS=2 bash scripts/scale_train.sh eagle3-regen-all  # Eagle3 beside
-#                                                # them, same data and steps (eagle3-regen-t1mix-R4; its 7-step
-#                                                # training-time test over the full vocabulary: about 5x a step's time)
+#                                                # them, same data, steps and 8,192-token draft vocabulary
+#                                                # (eagle3-regen-t1mix-R4; its 7-step training-time test: about 2.5x
+#                                                # a DSpark step's time)
 #   bash scripts/scale_train.sh layer-target-330 # DSpark with the target family's draft layer (dsparktl-330)
 #   bash scripts/scale_train.sh regen            # DSpark and DFlash on the on-policy slices (dspark-regen, dflash-regen)
 #   bash scripts/scale_train.sh regen-cont       # both continued on every slice from dspark-regen / dflash-regen
@@ -99,7 +100,7 @@ for p in "${points[@]}"; do
   if [ "$p" = eagle3-regen-all ]; then  # Eagle3 on the listed on-policy slices: the data and steps of the regen runs
     slice=$(listed_slices | tail -n 1)
     train "eagle3-regen-${TAG:-$slice}" smollm2-eagle3 "$(caches_for regen)" all --set "data=[]" \
-      --set "model.target_layer_ids=[1,14,27]" --set draft_vocab_size=null
+      --set "model.target_layer_ids=[1,14,27]"
     continue
   fi
   if [[ "$p" == layer-target-* ]]; then  # the draft-layer check: the target family's layer (no q/k norm)

@@ -62,8 +62,8 @@ def add_drafter_options(p: argparse.ArgumentParser) -> None:
                    "instead of all V: skips its V x r product per drafted token (about 2x cheaper drafting for "
                    "SmolLM2); still lossless, acceptance barely changes; 0 = all V, the trained head (default: all V)")
     p.add_argument("--draft-vocab", default=None, metavar="FILE",
-                   help="DSpark/DFlash draft only the tokens of this `dspark data vocab` file: their base logits "
-                   "use those LM-head rows only (default: the whole vocabulary)")
+                   help="DSpark/DFlash/Eagle3 draft only the tokens of this `dspark data vocab` file: their "
+                   "logits use those LM-head rows only (default: the checkpoint's own, or the whole vocabulary)")
     p.add_argument("--hybrid", action="store_true",
                    help="hybrid drafting: where the context already contains its last N tokens, draft what followed "
                    "them (prompt lookup); where only a shorter n-gram repeats, prompt lookup while its running "

@@ -301,8 +301,15 @@ def sglang_eagle3(folder: Path) -> Loaded:
         "model.midlayer.post_attention_layernorm.weight": (H,), "model.norm.weight": (H,), "lm_head.weight": (W, H),
     }
     out = Loaded("LlamaForCausalLMEagle3", None, [int(i) for i in ids], draft_vocab_size=W)
-    renamed = {(k if k.startswith("lm_head") else "model." + k): t for k, t in named.items() if "t2d" not in k}
+    # d2t (draft id -> target id offsets) becomes hot_token_id = d2t + arange(W); t2d is skipped
+    renamed = {(k if k.startswith("lm_head") else "model." + k): t for k, t in named.items()
+               if "t2d" not in k and "d2t" not in k}
     _load(shapes, renamed, out, unknown_raises=False)
+    d2t = next((t for k, t in named.items() if "d2t" in k), None)
+    if d2t is not None:
+        if d2t.shape != (W,):
+            raise Refused(f"d2t: shape {tuple(d2t.shape)}, expected ({W},)")
+        out.params["hot_token_id"] = d2t + torch.arange(W)
     return out
 
 

@@ -160,14 +160,19 @@ def confidence_bce(
 
 
 def soft_cross_entropy(
-    draft_logits: torch.Tensor,  # (M, V)
-    target_probs: torch.Tensor,  # (M, V)
+    draft_logits: torch.Tensor,  # (M, W)
+    target_probs: torch.Tensor,  # (M, W)
+    restricted: bool = False,  # target_probs is the full distribution's restriction to W tokens (sums to <= 1)
 ) -> tuple[torch.Tensor, torch.Tensor]:  # soft CE (M,), soft acceptance (M,) (no grad)
-    """Eagle3's distillation loss -sum_v target_probs log draft_probs, and the acceptance estimate."""
+    """Eagle3's distillation loss -sum_w target_probs log draft_probs, and the acceptance estimate. ``restricted``:
+    the target's mass outside the W tokens, where the draft puts 0, counts against the acceptance (it adds a
+    constant the CE cannot reduce, left out)."""
     logp = torch.log_softmax(draft_logits.float(), dim=-1)
     ce = -(target_probs * logp).sum(-1)
     with torch.no_grad():
         acc = soft_acceptance(logp.exp(), target_probs)
+        if restricted:
+            acc = (acc - 0.5 * (1.0 - target_probs.sum(-1)).clamp(min=0.0)).clamp(min=0.0)
     return ce, acc
 
 
@@ -183,11 +188,30 @@ def chunked_soft_cross_entropy(
             target_probs = torch.softmax(target_logits_fn(t_hidden).float(), dim=-1)
         return soft_cross_entropy(draft_logits_fn(h), target_probs)
 
+    return _chunked(one, hidden, target_hidden, chunk)
+
+
+def chunked_restricted_soft_cross_entropy(
+    draft_logits_fn: Callable[[torch.Tensor], torch.Tensor],  # (m, H) -> (m, W)
+    hidden: torch.Tensor,  # (M, H) draft hidden states
+    target_probs: torch.Tensor,  # (M, W) the target's distribution on the W draft tokens (no grad, sums to <= 1)
+) -> tuple[torch.Tensor, torch.Tensor]:  # soft CE (M,), soft acceptance (M,)
+    """``soft_cross_entropy`` against a teacher computed once for all steps (a draft vocabulary: W-sized rows)."""
+
+    def one(h, probs):
+        return soft_cross_entropy(draft_logits_fn(h), probs, restricted=True)
+
+    return _chunked(one, hidden, target_probs, max(ROW_CHUNK, ELEMENT_BUDGET // max(1, target_probs.shape[-1])))
+
+
+def _chunked(one: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]], hidden: torch.Tensor,
+             other: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``one`` over row chunks of (hidden, other), each recomputed in backward (activation checkpointing)."""
     M = hidden.shape[0]
     use_ckpt = torch.is_grad_enabled() and M > 0
     ces, accs = [], []
     for s in range(0, M, chunk):
-        args = (hidden[s : s + chunk], target_hidden[s : s + chunk])
+        args = (hidden[s : s + chunk], other[s : s + chunk])
         ce, acc = checkpoint(one, *args, use_reentrant=False) if use_ckpt else one(*args)
         ces.append(ce)
         accs.append(acc)

@@ -17,7 +17,7 @@ class DraftingOptions:
 
     ``block_size``: drafts per step (None = the checkpoint's own; prompt lookup 7, a draft LM 4);
     ``head_top_m``: DSpark's sequential head drafts among the top M base tokens (None or 0 = all V);
-    ``draft_vocab``: a `dspark data vocab` file, DSpark/DFlash draft only those tokens (None = all V);
+    ``draft_vocab``: a `dspark data vocab` file, DSpark/DFlash/Eagle3 draft only those tokens (None = all V);
     ``hybrid``: draft the context's own continuation (prompt lookup, n-gram >= ``hybrid_min_ngram``) where
     the context repeats itself and the trained drafter elsewhere (``dspark.drafters.hybrid``);
     ``dtype`` / ``compile``: how the target was loaded (the drafter follows the target's device and dtype).

@@ -93,7 +93,7 @@ def plan_export(ckpt: str | Path, engine: str, sps_table: str | Path | None = No
     if kind == DrafterKind.DSPARK:
         plan = _plan_dspark(ckpt, engine, cfg, target_folder)
     elif kind == DrafterKind.EAGLE3:
-        plan = _plan_eagle3(ckpt, engine, cfg)
+        plan = _plan_eagle3(ckpt, engine, cfg, target_folder)
     else:
         raise _refuse(engine, ckpt, f"architecture {(cfg.get('architectures') or ['?'])[0]!r} is not a DSpark, "
                       "DFlash or Eagle3 drafter (an independent draft LM is served as the engine's draft_model)")
@@ -113,11 +113,12 @@ def _bf16(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def _vllm_draft_vocab(out: dict, conf_cfg: dict, notes: list[str], state: dict, ids: torch.Tensor,
                       target_folder, engine: str, ckpt) -> None:
-    """A draft vocabulary as vLLM reads it: ``lm_head`` (W rows of the target's), ``d2t`` and ``draft_vocab_size``."""
+    """A draft vocabulary as vLLM (and SGLang's Eagle3) reads it: ``lm_head`` (W rows of the target's), ``d2t`` and
+    ``draft_vocab_size``."""
     out["lm_head.weight"] = _draft_lm_head(state, ids, target_folder, engine, ckpt)  # (W, H)
     out["d2t"] = ids - torch.arange(ids.numel())  # (W,) int64: target id = draft id + d2t[draft id]
     conf_cfg["draft_vocab_size"] = int(ids.numel())
-    notes.append(f"draft vocabulary of {ids.numel()} tokens written as vLLM's draft_vocab_size + d2t")
+    notes.append(f"draft vocabulary of {ids.numel()} tokens written as {engine}'s draft_vocab_size + d2t")
 
 
 def _draft_lm_head(state: dict[str, torch.Tensor], ids: torch.Tensor, target_folder: str | Path | None,
@@ -125,13 +126,23 @@ def _draft_lm_head(state: dict[str, torch.Tensor], ids: torch.Tensor, target_fol
     if "lm_head.weight" in state:
         return state["lm_head.weight"]
     if target_folder is None:
-        raise _refuse(engine, ckpt, "it leaves out the frozen LM head, whose draft-vocabulary rows vLLM needs: "
-                      "pass --target-folder (the target's HF folder)")
+        raise _refuse(engine, ckpt, "it leaves out the frozen LM head, whose draft-vocabulary rows the engine "
+                      "needs: pass --target-folder (the target's HF folder)")
     from dspark.modeling.weights import load_state_dict
 
     target = load_state_dict(Path(target_folder))
     head = target.get("lm_head.weight", target.get("model.embed_tokens.weight"))  # tied: the input embedding
     return head.float()[ids]
+
+
+def _target_tensor(target_folder: str | Path | None, name: str, engine: str, ckpt: Path) -> torch.Tensor:
+    """The target's tensor ``name`` (an Eagle3 export with a draft vocabulary needs its input embedding)."""
+    if target_folder is None:
+        raise _refuse(engine, ckpt, f"it leaves out the frozen {name}, which the engine's Eagle3 layer reads: "
+                      "pass --target-folder (the target's HF folder)")
+    from dspark.modeling.weights import load_state_dict
+
+    return load_state_dict(Path(target_folder))[name].float()
 
 
 def _plan_dspark(ckpt: Path, engine: str, cfg: dict[str, Any], target_folder: str | Path | None) -> ExportPlan:
@@ -288,7 +299,10 @@ def _plan_dflash(ckpt: Path, engine: str, cfg: dict[str, Any], config, spec, sta
     return ExportPlan(engine, "dflash", conf_cfg, _bf16(out), config.num_drafts, notes=notes)
 
 
-def _plan_eagle3(ckpt: Path, engine: str, cfg: dict[str, Any]) -> ExportPlan:
+def _plan_eagle3(ckpt: Path, engine: str, cfg: dict[str, Any], target_folder: str | Path | None) -> ExportPlan:
+    """A one-layer Eagle3 drafter as both engines' ``LlamaForCausalLMEagle3`` (``midlayer.*``); a draft vocabulary
+    goes as ``draft_vocab_size`` + ``lm_head`` (W rows) + ``d2t``, which both engines read, with the target's
+    input embedding written beside it (the checkpoint leaves the frozen one out)."""
     from dspark.modeling.spec import spec_from_config
 
     n_layers = int(cfg.get("draft_num_hidden_layers", cfg.get("num_hidden_layers", 1)))
@@ -304,7 +318,7 @@ def _plan_eagle3(ckpt: Path, engine: str, cfg: dict[str, Any]) -> ExportPlan:
         raise _refuse(engine, ckpt, f"it has {n_layers} layers; {engine}'s {EAGLE3_ARCH} reads one 2H-input layer")
     state = _state(ckpt)
     out = {("midlayer." + k.removeprefix("layers.0.")) if k.startswith("layers.0.") else k: v
-           for k, v in state.items()}
+           for k, v in state.items() if k != "draft_vocab"}
     conf_cfg = copy.deepcopy(cfg)
     for key in (*_DROP_KEYS, "target_layer_ids", "ttt_length", "step_loss_decay", "draft_num_hidden_layers"):
         conf_cfg.pop(key, None)
@@ -313,13 +327,19 @@ def _plan_eagle3(ckpt: Path, engine: str, cfg: dict[str, Any]) -> ExportPlan:
         "draft_vocab_size": spec.vocab_size, "target_hidden_size": spec.hidden_size,
         "torch_dtype": "bfloat16", "dtype": "bfloat16",
     })
+    notes: list[str] = []
+    vocab = state.get("draft_vocab")
+    if vocab is not None:
+        _vllm_draft_vocab(out, conf_cfg, notes, state, vocab.long(), target_folder, engine, ckpt)
+        if "embed_tokens.weight" not in out:
+            out["embed_tokens.weight"] = _target_tensor(target_folder, "model.embed_tokens.weight", engine, ckpt)
     # the engines capture "the input of layer i": SGLang adds 1 to eagle_config's ids itself, vLLM reads them as is
     if engine == "sglang":
         conf_cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": ids}
     else:
         conf_cfg["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in ids]
     block = int(cfg.get("block_size", cfg.get("ttt_length", 7)))
-    return ExportPlan(engine, "eagle3", conf_cfg, _bf16(out), block)
+    return ExportPlan(engine, "eagle3", conf_cfg, _bf16(out), block, notes=notes)
 
 
 def _add_side_files(plan: ExportPlan, ckpt: Path, sps_table: str | Path | None, sts: str | Path | None) -> None:

@@ -27,6 +27,9 @@ from dspark import presets
 from dspark.errors import DSparkError
 from dspark.presets import preset_names, read_preset  # noqa: F401  (preset_names: re-exported for the CLI)
 
+#: the drafter kinds that train with a draft vocabulary (draft_vocab_size / draft_vocab_file)
+DRAFT_VOCAB_KINDS = ("dspark", "dflash", "eagle3")
+
 FEATURE_SOURCES = ("auto", "online", "cache")
 DTYPES = DTYPE_NAMES
 
@@ -73,7 +76,7 @@ class TrainConfig:
     val_cache_dir: str | list[str] | None = None
     val_samples: int = 64
     val_every: int | None = None
-    # DSpark/DFlash: draft only these tokens (LM-head and Markov rows over them; stored in the checkpoint):
+    # DSpark/DFlash/Eagle3: draft only these tokens (LM-head and Markov rows over them; stored in the checkpoint):
     draft_vocab_size: int | None = None  # the N most frequent answer tokens of the training data
     draft_vocab_file: str | None = None  # or a `dspark data vocab` file
     # start from this checkpoint's weights (same kind; its architecture and draft vocabulary) with a fresh optimizer
@@ -113,9 +116,9 @@ class TrainConfig:
             raise bad(f"drafter must be one of {', '.join(KIND_NAMES)}, got {self.drafter!r}")
         if self.draft_vocab_size is not None and self.draft_vocab_file is not None:
             raise bad("set draft_vocab_size or draft_vocab_file, not both")
-        if (self.draft_vocab_size is not None or self.draft_vocab_file) and self.drafter not in ("dspark", "dflash"):
-            raise bad(f"a draft vocabulary (draft_vocab_size / draft_vocab_file) is for dspark and dflash, "
-                      f"not {self.drafter}")
+        if (self.draft_vocab_size is not None or self.draft_vocab_file) and self.drafter not in DRAFT_VOCAB_KINDS:
+            raise bad(f"a draft vocabulary (draft_vocab_size / draft_vocab_file) is for "
+                      f"{', '.join(DRAFT_VOCAB_KINDS)}, not {self.drafter}")
         if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
             raise bad(f"draft_vocab_size must be >= 1, got {self.draft_vocab_size}")
         if isinstance(self.cache_dir, list) and not all(isinstance(c, str) and c for c in self.cache_dir):

@@ -191,7 +191,7 @@ def to_device(s: TrainSample, device: torch.device, dtype: torch.dtype) -> Train
 
 
 def draft_vocab_ids(cfg: TrainConfig, target, cache_dir: str | None = None) -> list[int] | None:
-    """The draft vocabulary a DSpark/DFlash run trains with: ``draft_vocab_file``, or the ``draft_vocab_size``
+    """The draft vocabulary a DSpark/DFlash/Eagle3 run trains with: ``draft_vocab_file``, or the ``draft_vocab_size``
     most frequent answer tokens of the training data (saved to OUT/draft-vocab.json), or None = all V."""
     from dspark.data.vocab import build_draft_vocab, count_sequences
     from dspark.drafters.draft_vocab import load_draft_vocab, save_draft_vocab

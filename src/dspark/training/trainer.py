@@ -186,7 +186,7 @@ class DrafterWithLoss(nn.Module):
 
 def build_drafter(cfg: TrainConfig, target, draft_vocab: list[int] | None = None) -> nn.Module:
     """A fresh drafter for ``target``; its random initialisation is fixed by ``cfg.seed``. ``draft_vocab``
-    (DSpark/DFlash): the token ids it drafts (``samples.draft_vocab_ids``)."""
+    (DSpark/DFlash/Eagle3): the token ids it drafts (``samples.draft_vocab_ids``)."""
     model_cfg = build_model_config(cfg, target.default_layer_ids())
     torch.manual_seed(cfg.seed)
     model_class = kind_entry(cfg.drafter).model_class

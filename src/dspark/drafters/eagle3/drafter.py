@@ -1,7 +1,7 @@
 """Eagle3 drafting inside the speculative loop: a chain of <= gamma autoregressive drafts (docs/interop.md §Eagle3).
 
-Shapes: R = requests, K = drafts this step, V = vocabulary, H = hidden size,
-n = committed positions fed to the target (len(tokens) - 1).
+Shapes: R = requests, K = drafts this step, V = vocabulary, W = draft vocabulary (V
+without one), H = hidden size, n = committed positions fed to the target (len(tokens) - 1).
 
 Per request, ``req.draft_state`` holds the draft's own KV cache over the committed
 context: entry j (at RoPE position j) is built from the fused target feature f_j and
@@ -14,6 +14,9 @@ of every committed position. Each step:
    pass on (embed(draft s), the previous output hidden) at position n-1+s, whose
    key is appended to the cache;
 3. roll the cache back to n entries: the chain's entries depend on drafts.
+
+A drafter with a draft vocabulary samples among its W tokens; the block's ``draft_probs``
+are over them (``DraftBlock.vocab``), which rejection sampling reads as 0 elsewhere.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from pathlib import Path
 import torch
 
 from dspark.drafters.base import DraftBlock, RequestState
+from dspark.drafters.draft_vocab import load_draft_vocab
 from dspark.drafters.eagle3.model import Eagle3Model
 from dspark.drafters.options import DraftingOptions
 from dspark.modeling.kv_cache import KVCache
@@ -30,13 +34,17 @@ from dspark.sampling.processing import logits_to_probs, sample_from_probs
 
 
 class Eagle3Drafter:
-    def __init__(self, model: Eagle3Model, block_size: int | None = None) -> None:
+    def __init__(self, model: Eagle3Model, block_size: int | None = None,
+                 draft_vocab: list[int] | None = None) -> None:
         if block_size is not None and block_size < 1:
             raise ValueError(f"block size must be >= 1, got {block_size}")
+        if draft_vocab is not None:  # draft only these token ids (--draft-vocab): the model restricted to them
+            model = model.restricted(draft_vocab)
         self.model = model  # not switched to eval/frozen: a trainer may wrap its live model (no dropout here)
         self.block_size = block_size or model.config.block_size
         self.target_layer_ids = model.target_layer_ids
         self.vocab_size = model.spec.vocab_size
+        self.draft_vocab = model.draft_vocab  # (W,) token ids the drafter may propose, None = all V
 
     def _cache(self, req: RequestState) -> tuple[KVCache, int]:
         """The request's draft cache, and how many context entries it still lacks."""
@@ -64,10 +72,10 @@ class Eagle3Drafter:
         want = [max(0, min(int(t), self.block_size)) for t in max_tokens]
         K = max(want, default=0)
         tokens = torch.zeros(R, K, dtype=torch.long, device=dev)
-        draft_probs = torch.zeros(R, K, self.vocab_size, device=dev)
+        draft_probs = torch.zeros(R, K, m.draft_size, device=dev)  # (R, K, V or W)
         num_tokens = torch.tensor(want, dtype=torch.long, device=dev)
         if K == 0:
-            return DraftBlock(tokens, num_tokens, draft_probs)
+            return DraftBlock(tokens, num_tokens, draft_probs, vocab=self.draft_vocab)
         active = [r for r in range(R) if want[r] > 0]
         caches, lens, ids, feats = [], [], [], []
         for r in active:
@@ -89,24 +97,27 @@ class Eagle3Drafter:
                 prev = tokens[[active[i] for i in active_k], k - 1]
                 hidden = m.cached_forward(prev, hidden[active_k], [1] * len(active_k), [caches[i] for i in active_k])
                 active, caches = [active[i] for i in active_k], [caches[i] for i in active_k]
-            logits = m.logits(hidden)  # (A, V)
+            logits = m.logits(hidden)  # (A, W)
             for i, r in enumerate(active):
                 s = requests[r].sampling
-                probs = logits_to_probs(logits[i], s.temperature, s.top_k, s.top_p)
-                tokens[r, k] = int(sample_from_probs(probs, requests[r].generator))
+                probs = logits_to_probs(logits[i], s.temperature, s.top_k, s.top_p)  # (W,)
+                tokens[r, k] = m.draft_tokens(sample_from_probs(probs, requests[r].generator))
                 draft_probs[r, k] = probs
         for r in range(R):  # drop the chain's entries: keep the committed context only
             if want[r] > 0:
                 requests[r].draft_state.truncate(len(requests[r].tokens) - 1)
-        return DraftBlock(tokens, num_tokens, draft_probs)
+        return DraftBlock(tokens, num_tokens, draft_probs, vocab=self.draft_vocab)
 
 
-def load_eagle3_drafter(path: str | Path, target, block_size: int | None = None) -> Eagle3Drafter:
-    """Load an Eagle3 checkpoint (DeepSpec layout) as a drafter for ``target``; block_size None = checkpoint's."""
+def load_eagle3_drafter(path: str | Path, target, block_size: int | None = None,
+                        draft_vocab: list[int] | None = None) -> Eagle3Drafter:
+    """Load an Eagle3 checkpoint (DeepSpec layout) as a drafter for ``target``; block_size None = checkpoint's,
+    ``draft_vocab``: draft only those token ids (a full-vocabulary checkpoint restricted in memory)."""
     model = Eagle3Model.from_checkpoint(Path(path), target)
-    return Eagle3Drafter(model.to(device=target.device, dtype=target.dtype), block_size)
+    return Eagle3Drafter(model.to(device=target.device, dtype=target.dtype), block_size, draft_vocab)
 
 
 def load_with_options(path: Path, target, options: DraftingOptions) -> Eagle3Drafter:
-    """``load_eagle3_drafter`` with ``options.block_size``: the registry's loader."""
-    return load_eagle3_drafter(path, target, options.block_size)
+    """``load_eagle3_drafter`` as ``options`` ask (block size, draft vocabulary): the registry's loader."""
+    vocab = load_draft_vocab(options.draft_vocab, target.vocab_size) if options.draft_vocab else None
+    return load_eagle3_drafter(path, target, options.block_size, vocab)

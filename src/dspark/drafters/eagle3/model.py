@@ -6,9 +6,14 @@ V = vocabulary, Hq / Hkv / D = query heads / KV heads / head dim, T = ttt_length
 Architecture (DeepSpec ``Qwen3Eagle3Model``): fused features fc(concat target layers)
 (F -> H, no bias) enter as the hidden state; each layer attends over
 concat(input_layernorm(embed(token)), hidden_norm(hidden)) (2H wide into q/k/v) with
-the hidden state as residual; logits = lm_head(norm(h)). Full vocabulary, no d2t/t2d;
-embed_tokens and lm_head are frozen copies of the target's. DeepSpec requires exactly
-5 target layers; any strictly increasing list works here (small targets have fewer).
+the hidden state as residual; logits = lm_head(norm(h)). embed_tokens and lm_head are
+frozen copies of the target's. DeepSpec requires exactly 5 target layers; any strictly
+increasing list works here (small targets have fewer).
+
+Draft vocabulary (docs/training.md §Draft vocabulary), EAGLE-3's reduced LM head: with
+``draft_vocab`` (W target token ids) lm_head holds those W rows of the target's and every
+logit is over them (index w = token ``draft_vocab[w]``); the engines read it as
+``draft_vocab_size`` + ``d2t``. Without one (DeepSpec's layout) W = V and w = token id.
 
 Sequence convention. Position i pairs the target feature f_i (target saw x_0..x_i) with
 token x_{i+1} and predicts x_{i+2}; its teacher is the target's distribution at i+1,
@@ -35,19 +40,24 @@ import torch
 from torch import nn
 
 from dspark.drafters.checkpoint import (
+    FROZEN_PREFIXES,
     arch_name,
+    check_draft_vocab,
+    check_fingerprint,
     check_layer_ids,
     check_target_fit,
     copy_frozen_embeddings,
     draft_spec_from,
     finish_new_drafter,
     load_drafter_weights,
+    read_draft_vocab,
     target_base_config,
+    target_fingerprint,
     write_checkpoint,
 )
 from dspark.drafters.eagle3.config import Eagle3Config
 from dspark.drafters.sample import TrainSample
-from dspark.errors import ModelLoadError
+from dspark.errors import IncompatibleModelsError, ModelLoadError
 from dspark.modeling.decoder import causal_mask
 from dspark.modeling.kv_cache import KVCache
 from dspark.modeling.layers import MLP, Attention, RMSNorm
@@ -130,7 +140,8 @@ def export_problems(cfg: Eagle3Config, target_spec: DecoderSpec) -> list[str]:
 
 class Eagle3Model(nn.Module):
     def __init__(self, config: Eagle3Config, spec: DecoderSpec, base_config: dict[str, Any],
-                 num_target_layers: int, target_name: str = "") -> None:
+                 num_target_layers: int, target_name: str = "",
+                 draft_vocab: torch.Tensor | list[int] | None = None) -> None:
         super().__init__()
         if config.target_layer_ids is None:
             raise ValueError("Eagle3Model needs resolved target_layer_ids; use from_target")
@@ -146,12 +157,24 @@ class Eagle3Model(nn.Module):
         self.fc = nn.Linear(len(config.target_layer_ids) * H, H, bias=False)
         self.layers = nn.ModuleList(Eagle3Layer(spec, i) for i in range(spec.num_layers))
         self.norm = RMSNorm(H, spec.rms_norm_eps, spec.norm_offset)
-        self.lm_head = nn.Linear(H, V, bias=False)
+        # draft_vocab (W,) int64 target ids, a saved buffer
+        if draft_vocab is not None:
+            self.register_buffer("draft_vocab", check_draft_vocab(draft_vocab, V))
+        else:
+            self.draft_vocab = None
+        W = V if draft_vocab is None else self.draft_vocab.numel()
+        self.lm_head = nn.Linear(H, W, bias=False)  # the target's LM-head rows over the draft vocabulary
+        # target_fingerprint() of the target it was made for: a checkpoint without the LM head (a draft vocabulary)
+        # still refuses another target
+        self.target_fingerprint: list[float] | None = None
 
     # ----------------------------------------------------------------- construction
 
     @classmethod
-    def from_target(cls, target, cfg: Eagle3Config, generator: torch.Generator | None = None) -> "Eagle3Model":
+    def from_target(cls, target, cfg: Eagle3Config, generator: torch.Generator | None = None,
+                    draft_vocab: list[int] | torch.Tensor | None = None) -> "Eagle3Model":
+        """A fresh drafter: random layer and fc, embed_tokens and lm_head copied from ``target`` and frozen (the
+        LM head's rows over ``draft_vocab`` only, when given)."""
         layer_ids = cfg.target_layer_ids if cfg.target_layer_ids is not None else target.default_layer_ids()
         check_layer_ids(layer_ids, target.num_layers)
         cfg = dataclasses.replace(cfg, target_layer_ids=list(layer_ids))
@@ -159,11 +182,34 @@ class Eagle3Model(nn.Module):
             warnings.warn(f"this Eagle3 drafter will not export to SGLang or vLLM: {problem}", stacklevel=2)
         base = target_base_config(target)
         model = cls(cfg, draft_spec_from(target.spec, cfg.draft_num_hidden_layers), base, target.num_layers,
-                    str(getattr(target, "name", "")))
+                    str(getattr(target, "name", "")), draft_vocab)
+        model.target_fingerprint = target_fingerprint(target)
         return finish_new_drafter(model, target, base, generator)
 
     def copy_frozen_from(self, target) -> None:
         copy_frozen_embeddings(self, target)
+
+    def restricted(self, vocab_ids: list[int] | torch.Tensor) -> "Eagle3Model":
+        """A copy that drafts only ``vocab_ids`` (W target ids): the LM head's rows over them, the rest unchanged;
+        its logits are this model's on those W tokens. ``IncompatibleModelsError`` if it has another vocabulary."""
+        ids = check_draft_vocab(vocab_ids, self.spec.vocab_size)
+        if self.draft_vocab is not None:
+            if torch.equal(self.draft_vocab.cpu(), ids):
+                return self
+            raise IncompatibleModelsError(
+                f"this Eagle3 checkpoint carries its own draft vocabulary of {self.draft_size} tokens; the "
+                f"--draft-vocab file ({ids.numel()} tokens) differs: drop --draft-vocab")
+        weight = self.lm_head.weight
+        out = Eagle3Model(self.config, self.spec, self.base_config, self.num_target_layers, self.target_name, ids)
+        out.target_fingerprint = self.target_fingerprint
+        state = self.state_dict()
+        state["lm_head.weight"] = state["lm_head.weight"][ids.to(weight.device)]  # (V, H) -> (W, H)
+        state["draft_vocab"] = ids
+        out.load_state_dict(state)
+        out = out.to(device=weight.device, dtype=weight.dtype)
+        for p, q in zip(out.parameters(), self.parameters()):
+            p.requires_grad_(q.requires_grad)
+        return out.train(self.training)
 
     @classmethod
     def from_checkpoint(cls, folder: Path, target=None) -> "Eagle3Model":
@@ -194,14 +240,28 @@ class Eagle3Model(nn.Module):
         if num_target_layers is None:
             num_target_layers = target.num_layers if target is not None else max(config.target_layer_ids) + 1
         base = {k: v for k, v in cfg_dict.items() if k not in _DRAFT_KEYS}
-        model = cls(config, spec, base, int(num_target_layers), str(cfg_dict.get("target_model_name_or_path", "")))
-        return load_drafter_weights(model, folder, f"Eagle3 drafter {folder}", target)
+        vocab = read_draft_vocab(folder, cfg_dict, spec.vocab_size)
+        model = cls(config, spec, base, int(num_target_layers), str(cfg_dict.get("target_model_name_or_path", "")),
+                    vocab)
+        model.target_fingerprint = cfg_dict.get("target_fingerprint")
+        what = f"Eagle3 drafter {folder}"
+        if target is not None:
+            check_fingerprint(what, model.target_fingerprint, target)
+        return load_drafter_weights(model, folder, what, target)
 
     # ----------------------------------------------------------------- pieces
 
     @property
     def target_layer_ids(self) -> list[int]:
         return list(self.config.target_layer_ids)
+
+    @property
+    def draft_size(self) -> int:
+        """W: the tokens the drafter can propose."""
+        return self.lm_head.out_features
+
+    def draft_tokens(self, index: torch.Tensor) -> torch.Tensor:  # (...,) w -> (...,) token ids
+        return index if self.draft_vocab is None else self.draft_vocab[index]
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:  # (N,) -> (N, H)
         x = self.embed_tokens(ids)
@@ -212,14 +272,15 @@ class Eagle3Model(nn.Module):
     def fuse(self, features: torch.Tensor) -> torch.Tensor:  # (N, F) -> (N, H)
         return self.fc(features.to(self.fc.weight.dtype))
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (N, H) -> (N, V)
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (N, H) -> (N, W)
         out = self.lm_head(self.norm(hidden))
         if self.spec.final_softcap:
             out = torch.tanh(out / self.spec.final_softcap) * self.spec.final_softcap
         return out
 
-    def target_logits(self, target_hidden: torch.Tensor) -> torch.Tensor:  # (N, H) final-normed -> (N, V)
-        """The target's logits from its final-normed hidden state, through the shared (frozen) LM head."""
+    def target_logits(self, target_hidden: torch.Tensor) -> torch.Tensor:  # (N, H) final-normed -> (N, W)
+        """The target's logits from its final-normed hidden state, through the shared (frozen) LM head (over
+        the draft vocabulary: normalise with the target's full-vocabulary log-sum-exp, see loss.py)."""
         out = self.lm_head(target_hidden.to(self.lm_head.weight.dtype))
         if self.spec.final_softcap:
             out = torch.tanh(out / self.spec.final_softcap) * self.spec.final_softcap
@@ -330,14 +391,26 @@ class Eagle3Model(nn.Module):
             "num_target_layers": self.num_target_layers,
             "block_size": cfg.block_size,
         })
+        for key in ("draft_vocab_size", "target_fingerprint"):
+            out.pop(key, None)
+        if self.draft_vocab is not None:
+            out["draft_vocab_size"] = self.draft_size
+        if self.target_fingerprint:
+            out["target_fingerprint"] = self.target_fingerprint
         return out
 
     def save_checkpoint(self, folder: Path, dtype: torch.dtype = torch.float32) -> None:
-        """Write model.safetensors + config.json (DeepSpec layout; pass dtype=torch.bfloat16 for DeepSpec's bf16)."""
-        write_checkpoint(Path(folder), self.state_dict(), self.hf_config(), dtype)
+        """Write model.safetensors + config.json (DeepSpec layout; pass dtype=torch.bfloat16 for DeepSpec's bf16).
+        With a draft vocabulary the frozen embed_tokens and lm_head are left out (the loader copies them from
+        the target) and ``draft_vocab`` (W,) int64 is stored, as DSpark's checkpoints do."""
+        state = self.state_dict()
+        if self.draft_vocab is not None:
+            state = {k: v for k, v in state.items() if not k.startswith(FROZEN_PREFIXES)}
+        write_checkpoint(Path(folder), state, self.hf_config(), dtype)
 
 
 _DRAFT_KEYS = {
     "architectures", "target_layer_ids", "ttt_length", "step_loss_decay", "draft_num_hidden_layers",
-    "target_model_name_or_path", "num_target_layers", "block_size", "torch_dtype", "dtype",
+    "target_model_name_or_path", "num_target_layers", "block_size", "torch_dtype", "dtype", "draft_vocab_size",
+    "target_fingerprint",
 }
