@@ -263,7 +263,8 @@ def main() -> int:
         equal = sum(a == b for a, b in zip(r["outputs"], plain))
         tau_vllm = 1.0 + r["num_accepted_tokens"] / max(r["num_drafts"], 1)
         launch_ok = None if args.no_launch else launch_works(exports[n][1], args.vllm_python, args.port + i, work, n)
-        row = {"drafter": f"{n} ({DRAFTERS[n][0]}, {ckpts[n]})", "method": DRAFTERS[n][1], "prompts": len(prompts),
+        made = DRAFTERS[n][0] if given[n] is None else "given"  # the preset only when this script trained it
+        row = {"drafter": f"{n} ({made}, {ckpts[n]})", "method": DRAFTERS[n][1], "prompts": len(prompts),
                "texts_equal": equal, "tau_vllm": round(tau_vllm, 4), "tau_dspark": round(taus[n], 4),
                "launch_ok": launch_ok, "num_drafts": r["num_drafts"], "num_accepted_tokens": r["num_accepted_tokens"]}
         rows.append(row)

@@ -25,6 +25,10 @@ from dspark.tables import fmt, markdown_table
 from dspark.training.trainer import recent_mean
 
 
+#: the equal-data Table 1 (scripts/reference_eval.sh with OUT=docs/reports/results-equal-data.md): results.md links it
+EQUAL_DATA_PAGE = "results-equal-data.md"
+
+
 def _results(folder: Path) -> dict | None:
     path = folder / "results.json"
     return json.loads(path.read_text()) if path.is_file() else None
@@ -123,10 +127,14 @@ def main() -> int:
         "evaluation ran, `dflash` (`dflash-N`) = DFlash trained beside the candidate on the same data and steps, "
         "`eagle3` (`eagle3-eq`) = Eagle3 trained beside it on the same data, steps and draft vocabulary (one layer, "
         "7-step training-time test; only where the run names one), `prompt-lookup`, and `hybrid` / `hybrid-shipped` "
-        "= `--hybrid` (prompt lookup on repeats, the trained "
-        "drafter elsewhere) with the candidate / the shipped drafter. Brackets: 95 % bootstrap intervals over "
+        "= `--hybrid` (prompt lookup on repeats, the trained drafter elsewhere) with the candidate / the shipped "
+        "drafter. Brackets: 95 % bootstrap intervals over "
         "prompts (redrawn within each benchmark); paired differences use the same prompt draws for both rows.\n",
     ]
+    beside = out.parent / EQUAL_DATA_PAGE
+    if out.name != EQUAL_DATA_PAGE and beside.is_file():
+        parts.append("DFlash and Eagle3 trained from scratch beside a DSpark on the same data and steps (Table 1's "
+                     f"three trained rows at one point): [{EQUAL_DATA_PAGE}]({EQUAL_DATA_PAGE}).\n")
     table = _training(args.train)
     if table:
         parts += ["## Training\n", "\n".join(table) + "\n"]

@@ -50,3 +50,16 @@ def test_bench_without_a_command_prints_its_help(capsys):
 def test_the_report_names_the_command_that_ran(monkeypatch, argv, command, expected):
     monkeypatch.setattr(sys, "argv", argv)
     assert _command_line(command) == expected
+
+
+@pytest.mark.parametrize("preset", ["smollm2-dspark-markov", "smollm2-eagle3"])
+def test_bench_trains_old_path_over_the_full_vocabulary(preset, tmp_path):
+    """The presets set a draft vocabulary; the old path of `dspark bench train` must switch it off (a field set to
+    None is not an override), or its 'full vocabulary' row times the new path's head."""
+    from dspark.bench.train import old_path_config
+    from dspark.training.config import load_config
+
+    assert load_config(preset).draft_vocab_size == 8192
+    cfg = old_path_config(preset, out=str(tmp_path), max_steps=2)
+    assert (cfg.draft_vocab_size, cfg.draft_vocab_file, cfg.feature_source, cfg.dtype) == (None, None, "online",
+                                                                                           "float32")

@@ -165,7 +165,7 @@ def run_train_bench(args: argparse.Namespace, log) -> dict:
     paths: dict[str, dict] = {}
 
     log("[bench train] old path: online target features, float32, full vocabulary")
-    cfg = load_config(args.config, [], out=str(work / "old"), feature_source="online", dtype="float32", **common)
+    cfg = old_path_config(args.config, out=str(work / "old"), **common)
     trainer = Trainer(cfg, target=target32)
     paths["old"] = _measure(trainer, args, "online, float32, full vocabulary")
 
@@ -196,6 +196,15 @@ def run_train_bench(args: argparse.Namespace, log) -> dict:
         "paths": paths, "speedup": paths["new"]["tokens_per_s"] / paths["old"]["tokens_per_s"],
         "checkpoint_mib": (ckpt / "model.safetensors").stat().st_size / 2**20,
     }
+
+
+def old_path_config(config: str, **fields):
+    """The old path's training config: ``config`` with online features, float32 and the full vocabulary (the
+    preset's draft vocabulary switched off: ``load_config`` ignores fields set to None, so it takes overrides)."""
+    from dspark.training.config import load_config
+
+    return load_config(config, ["draft_vocab_size=null", "draft_vocab_file=null"], feature_source="online",
+                       dtype="float32", **fields)
 
 
 def _measure(trainer, args: argparse.Namespace, label: str) -> dict:
