@@ -129,6 +129,21 @@ def test_cheaper_drafting_variants_get_their_own_rows(tmp_path):
     assert "top 3" in rows["ours-ds-top3-vocab48@k4"]["note"]
 
 
+def test_an_eagle3_drafter_gets_a_row_without_dspark_variants(tmp_path):
+    """An Eagle3 drafter (which has a draft_vocab attribute too) is timed as it is: the --head-top-m and
+    --draft-vocab variant rows are DSpark/DFlash loading options."""
+    from tests.drafters.tiny_drafters import tiny_eagle3
+
+    target = _tiny_hf_target(tmp_path / "target")
+    tiny_eagle3(target, target_layer_ids=[0, 2, 3]).save_checkpoint(tmp_path / "e3")
+    cfg = SpeedConfig(target=str(tmp_path / "target"), sets=["gsm8k"], per_set=1, max_new_tokens=8,
+                      temperatures=[0.0], warmup_tokens=2, max_prompt_tokens=400, include_hf=False,
+                      drafters=[["e3", str(tmp_path / "e3")]], head_top_m=[3])
+    rows = {r["key"]: r for r in run_speed_bench(cfg, "t", log=lambda msg: None)["rows"]}
+    assert {k for k in rows if k.startswith("ours-e3")} == {"ours-e3@k3"}
+    assert rows["ours-e3@k3"]["greedy_match"] == [1, 1]
+
+
 def test_hybrid_rows_and_jsonl_prompt_sets(tmp_path):
     from dspark.drafters.dspark.drafter import save_dspark_checkpoint
     from tests.drafters.tiny_drafters import tiny_dspark

@@ -248,7 +248,9 @@ def build_methods(target, cfg: SpeedConfig, log=print, compiled_target=None) -> 
 
 def _variants(drafter, cfg: SpeedConfig) -> list[tuple[str, int | None, str | None, str]]:
     """(row suffix, head_top_m, draft_vocab, note) of the cheaper-drafting rows a drafter gets."""
-    if not hasattr(drafter, "draft_vocab"):  # not a DSpark/DFlash drafter
+    from dspark.drafters.dspark.drafter import DSparkDrafter
+
+    if not isinstance(drafter, DSparkDrafter):  # the variants are DSpark/DFlash loading options
         return []
     has_head = drafter.model.markov_head is not None
     tops = (cfg.head_top_m or []) if has_head else []
