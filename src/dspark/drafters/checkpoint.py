@@ -269,6 +269,23 @@ def check_draft_vocab(ids: torch.Tensor | list[int], vocab_size: int, what: str 
     return t.cpu()
 
 
+def fill_restricted(out: nn.Module, model: nn.Module, ids: torch.Tensor, row_keys: tuple[str, ...]) -> nn.Module:
+    """``out`` (a fresh copy of ``model``'s architecture built with draft vocabulary ``ids``, (W,)) given ``model``'s
+    weights, the ``row_keys`` tensors cut to the W rows (V, .) -> (W, .); on ``model``'s device and dtype, with its
+    trainable flags and mode."""
+    weight = model.lm_head.weight
+    state = model.state_dict()
+    for key in row_keys:
+        if key in state:
+            state[key] = state[key][ids.to(weight.device)]  # (V, .) -> (W, .)
+    state["draft_vocab"] = ids
+    out.load_state_dict(state)
+    out = out.to(device=weight.device, dtype=weight.dtype)
+    for p, q in zip(out.parameters(), model.parameters()):
+        p.requires_grad_(q.requires_grad)
+    return out.train(model.training)
+
+
 def vocab_index(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:  # (W,) -> (V,) int64: id -> w, -1 outside
     index = torch.full((vocab_size,), -1, dtype=torch.long)
     index[ids] = torch.arange(ids.numel())

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from dspark.drafters.checkpoint import check_draft_vocab, head_fingerprint
+from dspark.drafters.checkpoint import check_draft_vocab, fill_restricted, head_fingerprint
 from dspark.drafters.dspark.model import DSparkModel
 from dspark.errors import IncompatibleModelsError
 
@@ -34,17 +34,8 @@ def restrict_to_draft_vocab(model: DSparkModel, vocab_ids: list[int] | torch.Ten
     weight = model.lm_head.weight
     out = DSparkModel(model.config, model.spec, model.base_config, model.num_target_layers, ids)
     out.target_fingerprint = model.target_fingerprint or head_fingerprint(weight)
-    state = model.state_dict()
-    rows = ids.to(weight.device)
-    for key in ("lm_head.weight", "markov_head.markov_w1.weight", "markov_head.markov_w2.weight"):
-        if key in state:
-            state[key] = state[key][rows]  # (V, .) -> (W, .)
-    state["draft_vocab"] = ids
-    out.load_state_dict(state)
-    out = out.to(device=weight.device, dtype=weight.dtype)
-    for p, q in zip(out.parameters(), model.parameters()):
-        p.requires_grad_(q.requires_grad)
-    return out.train(model.training)
+    return fill_restricted(out, model, ids, ("lm_head.weight", "markov_head.markov_w1.weight",
+                                             "markov_head.markov_w2.weight"))
 
 
 def prune_to_draft_vocab(ckpt: str | Path, vocab_ids: list[int] | torch.Tensor, out: str | Path,

@@ -48,6 +48,7 @@ from dspark.drafters.checkpoint import (
     check_target_fit,
     copy_frozen_embeddings,
     draft_spec_from,
+    fill_restricted,
     finish_new_drafter,
     load_drafter_weights,
     read_draft_vocab,
@@ -199,17 +200,9 @@ class Eagle3Model(nn.Module):
             raise IncompatibleModelsError(
                 f"this Eagle3 checkpoint carries its own draft vocabulary of {self.draft_size} tokens; the "
                 f"--draft-vocab file ({ids.numel()} tokens) differs: drop --draft-vocab")
-        weight = self.lm_head.weight
         out = Eagle3Model(self.config, self.spec, self.base_config, self.num_target_layers, self.target_name, ids)
         out.target_fingerprint = self.target_fingerprint
-        state = self.state_dict()
-        state["lm_head.weight"] = state["lm_head.weight"][ids.to(weight.device)]  # (V, H) -> (W, H)
-        state["draft_vocab"] = ids
-        out.load_state_dict(state)
-        out = out.to(device=weight.device, dtype=weight.dtype)
-        for p, q in zip(out.parameters(), self.parameters()):
-            p.requires_grad_(q.requires_grad)
-        return out.train(self.training)
+        return fill_restricted(out, self, ids, ("lm_head.weight",))
 
     @classmethod
     def from_checkpoint(cls, folder: Path, target=None) -> "Eagle3Model":
