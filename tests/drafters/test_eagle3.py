@@ -173,3 +173,40 @@ def test_a_drafter_that_cannot_export_warns_when_it_is_made(tiny):
         tiny_eagle3(tiny, target_layer_ids=[0, 2, 3])
     preset = load_config("smollm2-eagle3-export")
     assert len(preset.model["target_layer_ids"]) == 3
+
+
+def _mixed_requests(tiny):
+    """Three requests of different lengths and settings: greedy, temperature 1, temperature 0.7 with top-k."""
+    settings = [SamplingParams(temperature=0.0, max_new_tokens=16),
+                SamplingParams(temperature=1.0, max_new_tokens=16, seed=11),
+                SamplingParams(temperature=0.7, top_k=5, max_new_tokens=16, seed=12)]
+    return [request_after(tiny, random_tokens(n, seed=30 + n), LAYER_IDS, s) for n, s in zip((5, 9, 7), settings)]
+
+
+@pytest.mark.parametrize("separate_pools", [False, True])
+def test_a_batch_drafts_what_each_request_drafts_alone(tiny, separate_pools):
+    """The batched chain (one attention call per layer over the drafter's pool, sampling in a few tensor
+    operations) proposes for each request what it proposes alone; caches of different pools (the per-request
+    path) too. Greedy rows leave their draft_probs 0; sampled rows carry the distribution they were drawn from."""
+    from dspark.modeling.kv_cache import KVCache
+
+    model = tiny_eagle3(tiny, ttt_length=3, block_size=3)
+    want = [3, 2, 3]
+    alone = [Eagle3Drafter(model).propose([req], [n]) for req, n in zip(_mixed_requests(tiny), want)]
+    reqs = _mixed_requests(tiny)
+    if separate_pools:  # each request's draft cache in a pool of its own
+        s = model.spec
+        for req in reqs:
+            req.draft_state = KVCache(s.num_layers, s.num_kv_heads, s.head_dim, 64)
+    batch = Eagle3Drafter(model).propose(reqs, want)
+    assert batch.num_tokens.tolist() == want
+    for r, one in enumerate(alone):
+        n = want[r]
+        assert torch.equal(batch.tokens[r, :n], one.tokens[0, :n]), r
+        assert torch.allclose(batch.draft_probs[r, :n], one.draft_probs[0, :n], atol=1e-6), r
+        assert reqs[r].draft_state.length == len(reqs[r].tokens) - 1  # the chain's entries rolled back
+    assert torch.equal(batch.draft_probs[0], torch.zeros_like(batch.draft_probs[0]))  # greedy: tokens compared
+    assert batch.draft_probs[1, :2].sum(-1).allclose(torch.ones(2))
+    assert (batch.draft_probs[2, :3] > 0).sum(-1).le(5).all()  # top-k 5
+    if not separate_pools:
+        assert len({id(req.draft_state.pool) for req in reqs}) == 1

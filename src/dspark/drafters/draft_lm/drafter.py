@@ -14,13 +14,13 @@ from pathlib import Path
 import torch
 
 from dspark.drafters.base import DraftBlock, RequestState
+from dspark.drafters.draft_sampler import DraftSampler
 from dspark.drafters.options import DraftingOptions
 from dspark.errors import IncompatibleModelsError
 from dspark.modeling.decoder import CausalLM
 from dspark.modeling.kv_cache import KVCache
 from dspark.modeling.spec import spec_from_config
 from dspark.modeling.weights import load_state_dict, read_config
-from dspark.sampling.processing import logits_to_probs, sample_from_probs
 
 
 @dataclass
@@ -51,13 +51,6 @@ class DraftModelDrafter:
             req.draft_state = _DraftLMState(self.model.new_cache(cap))
         return req.draft_state
 
-    def _probs(self, logits: torch.Tensor, req: RequestState) -> torch.Tensor:  # (V_draft,) -> (V,)
-        V = self.vocab_size
-        if logits.shape[-1] < V:
-            logits = torch.cat([logits, logits.new_full((V - logits.shape[-1],), float("-inf"))])
-        s = req.sampling
-        return logits_to_probs(logits[:V], s.temperature, s.top_k, s.top_p)
-
     @torch.inference_mode()
     def propose(self, requests: list[RequestState], max_tokens: list[int]) -> DraftBlock:
         R, K = len(requests), max(max_tokens, default=0)
@@ -72,6 +65,7 @@ class DraftModelDrafter:
             st.fed = st.fed[:keep]
             feed.append(req.tokens[keep:])
         active = [r for r in range(R) if max_tokens[r] > 0]
+        sampler = DraftSampler(requests)
         for k in range(K):
             active = [r for r in active if max_tokens[r] > k]
             if not active:
@@ -80,14 +74,22 @@ class DraftModelDrafter:
             ids = torch.tensor([t for s in seq for t in s], dtype=torch.long, device=self.model.lm_head.weight.device)
             hidden, _ = self.model.model(ids, [len(s) for s in seq], [states[r].cache for r in active])
             ends = torch.tensor([len(s) for s in seq]).cumsum(0) - 1
-            logits = self.model.logits(hidden[ends])  # (A, V_draft)
+            logits = self._over_vocabulary(self.model.logits(hidden[ends]))  # (A, V)
+            drafted, sampled, dist = sampler.draw(logits, active)  # (A,), sampled rows of active, (S, V)
+            tokens[active, k] = drafted.to(tokens.device)
+            if sampled:  # greedy rows leave their probs 0 (DraftBlock: verification compares their tokens)
+                probs[[active[i] for i in sampled], k] = dist.to(probs.device)
             for i, r in enumerate(active):
                 states[r].fed.extend(feed[r])
-                p = self._probs(logits[i], requests[r])
-                tok = int(sample_from_probs(p, requests[r].generator))
-                tokens[r, k], probs[r, k] = tok, p
-                feed[r] = [tok]
+                feed[r] = [int(drafted[i])]
         return DraftBlock(tokens=tokens, num_tokens=torch.tensor(max_tokens, dtype=torch.long), draft_probs=probs)
+
+    def _over_vocabulary(self, logits: torch.Tensor) -> torch.Tensor:  # (A, V_draft) -> (A, V)
+        """The draft model's logits over the target's V tokens: -inf past a smaller head, a larger one cut."""
+        V = self.vocab_size
+        if logits.shape[-1] < V:
+            logits = torch.cat([logits, logits.new_full((logits.shape[0], V - logits.shape[-1]), float("-inf"))], -1)
+        return logits[:, :V]
 
 
 def check_same_tokenizer(draft_tok, target_tok, what: str) -> None:

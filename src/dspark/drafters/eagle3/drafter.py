@@ -15,8 +15,13 @@ of every committed position. Each step:
    key is appended to the cache;
 3. roll the cache back to n entries: the chain's entries depend on drafts.
 
-A drafter with a draft vocabulary samples among its W tokens; the block's ``draft_probs``
-are over them (``DraftBlock.vocab``), which rejection sampling reads as 0 elsewhere.
+The caches are slots of the model's ``KVPool`` (``Eagle3Model.new_cache``), so every pass
+attends all its requests in one call per layer; each position is drawn for all requests
+at once (``DraftSampler``): greedy rows take the argmax and leave their ``draft_probs`` 0
+(verification compares their tokens), sampled rows keep the distribution they were drawn
+from. A drafter with a draft vocabulary samples among its W tokens; the block's ``draft_probs``
+are over them (``DraftBlock.vocab``), which rejection sampling reads as 0 elsewhere. Loaded
+for decoding on the CPU (``load_eagle3_drafter``) its linear layers are prepacked for oneDNN.
 """
 
 from __future__ import annotations
@@ -26,11 +31,12 @@ from pathlib import Path
 import torch
 
 from dspark.drafters.base import DraftBlock, RequestState
+from dspark.drafters.draft_sampler import DraftSampler
 from dspark.drafters.draft_vocab import load_draft_vocab
 from dspark.drafters.eagle3.model import Eagle3Model
 from dspark.drafters.options import DraftingOptions
 from dspark.modeling.kv_cache import KVCache
-from dspark.sampling.processing import logits_to_probs, sample_from_probs
+from dspark.modeling.packed import pack_all_linears
 
 
 class Eagle3Drafter:
@@ -47,7 +53,7 @@ class Eagle3Drafter:
         self.draft_vocab = model.draft_vocab  # (W,) token ids the drafter may propose, None = all V
 
     def _cache(self, req: RequestState) -> tuple[KVCache, int]:
-        """The request's draft cache, and how many context entries it still lacks."""
+        """The request's draft cache (a slot of the model's pool), and how many context entries it has."""
         feats = req.context_features
         if feats is None:
             raise RuntimeError(
@@ -58,7 +64,7 @@ class Eagle3Drafter:
         if feats.shape[0] != n:
             raise RuntimeError(f"request {req.request_id}: {feats.shape[0]} context features for {n} fed tokens")
         cache = req.draft_state
-        if not isinstance(cache, KVCache):
+        if not isinstance(cache, KVCache) or cache.slot is None:
             cache = self.model.new_cache(n + req.sampling.max_new_tokens + self.block_size + 2)
             req.draft_state = cache
         if cache.length >= n:  # nothing new (or stale state): recompute the last entry to get its output
@@ -76,7 +82,7 @@ class Eagle3Drafter:
         num_tokens = torch.tensor(want, dtype=torch.long, device=dev)
         if K == 0:
             return DraftBlock(tokens, num_tokens, draft_probs, vocab=self.draft_vocab)
-        active = [r for r in range(R) if want[r] > 0]
+        active = [r for r in range(R) if want[r] > 0]  # (A,) the requests that draft position k
         caches, lens, ids, feats = [], [], [], []
         for r in active:
             req = requests[r]
@@ -88,21 +94,21 @@ class Eagle3Drafter:
             feats.append(req.context_features[start:n])  # f_j
         out = m.cached_forward(torch.cat(ids), m.fuse(torch.cat(feats)), lens, caches)  # (N, H)
         hidden = out[torch.tensor(lens, device=dev).cumsum(0) - 1]  # (A, H) output at entry n-1 of each request
+        sampler = DraftSampler(requests)
 
         for k in range(K):
-            if k > 0:
-                active_k = [i for i, r in enumerate(active) if want[r] > k]
-                if not active_k:
+            if k > 0:  # one more layer pass for the requests that draft position k, on their draft k-1
+                keep = [i for i, r in enumerate(active) if want[r] > k]
+                if not keep:
                     break
-                prev = tokens[[active[i] for i in active_k], k - 1]
-                hidden = m.cached_forward(prev, hidden[active_k], [1] * len(active_k), [caches[i] for i in active_k])
-                active, caches = [active[i] for i in active_k], [caches[i] for i in active_k]
-            logits = m.logits(hidden)  # (A, W)
-            for i, r in enumerate(active):
-                s = requests[r].sampling
-                probs = logits_to_probs(logits[i], s.temperature, s.top_k, s.top_p)  # (W,)
-                tokens[r, k] = m.draft_tokens(sample_from_probs(probs, requests[r].generator))
-                draft_probs[r, k] = probs
+                if len(keep) < len(active):
+                    active, caches = [active[i] for i in keep], [caches[i] for i in keep]
+                    hidden = hidden[keep]
+                hidden = m.cached_forward(tokens[active, k - 1], hidden, [1] * len(active), caches)  # (A, H)
+            w, sampled, probs = sampler.draw(m.logits(hidden), active)  # (A,), (S,) rows of active, (S, W)
+            tokens[active, k] = m.draft_tokens(w)
+            if sampled:
+                draft_probs[[active[i] for i in sampled], k] = probs  # greedy rows stay 0 (DraftBlock)
         for r in range(R):  # drop the chain's entries: keep the committed context only
             if want[r] > 0:
                 requests[r].draft_state.truncate(len(requests[r].tokens) - 1)
@@ -110,11 +116,16 @@ class Eagle3Drafter:
 
 
 def load_eagle3_drafter(path: str | Path, target, block_size: int | None = None,
-                        draft_vocab: list[int] | None = None) -> Eagle3Drafter:
+                        draft_vocab: list[int] | None = None, pack: bool = True) -> Eagle3Drafter:
     """Load an Eagle3 checkpoint (DeepSpec layout) as a drafter for ``target``; block_size None = checkpoint's,
-    ``draft_vocab``: draft only those token ids (a full-vocabulary checkpoint restricted in memory)."""
+    ``draft_vocab``: draft only those token ids (a full-vocabulary checkpoint restricted in memory). A drafter for
+    decoding: on the CPU its linear layers are prepacked for oneDNN (``pack_all_linears``, as the DSpark drafter's;
+    ``pack=False`` keeps them plain), so it is not for training."""
     model = Eagle3Model.from_checkpoint(Path(path), target)
-    return Eagle3Drafter(model.to(device=target.device, dtype=target.dtype), block_size, draft_vocab)
+    drafter = Eagle3Drafter(model.to(device=target.device, dtype=target.dtype), block_size, draft_vocab)
+    if pack and target.device.type == "cpu":
+        pack_all_linears(drafter.model)
+    return drafter
 
 
 def load_with_options(path: Path, target, options: DraftingOptions) -> Eagle3Drafter:

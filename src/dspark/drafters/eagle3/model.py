@@ -59,8 +59,9 @@ from dspark.drafters.checkpoint import (
 from dspark.drafters.eagle3.config import Eagle3Config
 from dspark.drafters.sample import TrainSample
 from dspark.errors import IncompatibleModelsError, ModelLoadError
-from dspark.modeling.decoder import causal_mask
-from dspark.modeling.kv_cache import KVCache
+from dspark.modeling.attention import BatchLayout, attend_parts, plan_attention
+from dspark.modeling.decoder import attend_per_request
+from dspark.modeling.kv_cache import KVCache, KVPool
 from dspark.modeling.layers import MLP, Attention, RMSNorm
 from dspark.modeling.spec import DecoderSpec, spec_from_config
 from dspark.modeling.weights import read_config
@@ -332,9 +333,14 @@ class Eagle3Model(nn.Module):
     # ----------------------------------------------------------------- inference pieces
 
     def new_cache(self, capacity: int) -> KVCache:
-        s = self.spec
-        return KVCache(s.num_layers, s.num_kv_heads, s.head_dim, capacity, self.fc.weight.dtype,
-                       device=self.fc.weight.device)
+        """An empty draft cache: a slot of the model's ``KVPool``, so that ``cached_forward`` attends every
+        request of a batch in one call per layer."""
+        s, w = self.spec, self.fc.weight
+        pool = self.__dict__.get("_kv_pool")
+        if pool is None or pool.keys.dtype != w.dtype or pool.keys.device != w.device:
+            pool = KVPool(s.num_layers, s.num_kv_heads, s.head_dim, 1, capacity, w.dtype, device=w.device)
+            self.__dict__["_kv_pool"] = pool  # a plain attribute: not a buffer, never in the state dict
+        return pool.allocate(capacity)
 
     def cached_forward(
         self,
@@ -343,25 +349,24 @@ class Eagle3Model(nn.Module):
         seq_lens: list[int],
         caches: list[KVCache],
     ) -> torch.Tensor:  # (N, H)
-        """Causal forward of new entries appended to each request's draft cache (positions = cache index)."""
-        starts = [c.length for c in caches]
+        """Causal forward of new entries appended to each request's draft cache (positions = cache index). Caches
+        of one pool (``new_cache``'s) are attended in one call per layer for the whole batch, long catch-up pieces
+        on their own (``plan_attention``); caches of different pools request by request."""
         for c, n in zip(caches, seq_lens):
-            c.reserve(n)
-        positions = torch.cat([torch.arange(s, s + n, device=ids.device) for s, n in zip(starts, seq_lens)])
+            c.reserve(n)  # may grow the pool: before any layer reads it
+        dev = ids.device
+        per_request = any(c.pool is not caches[0].pool for c in caches)
+        parts = None if per_request else plan_attention(seq_lens, caches, dev)
+        whole = parts is not None and parts[0].tokens is None
+        layout = parts[0].layout if whole else BatchLayout.build(seq_lens, caches, dev, pooled=False)
 
         def attend(layer_idx, q, k, v):
             attn = self.layers[layer_idx].self_attn
-            outs, offset = [], 0
-            for c, s, n in zip(caches, starts, seq_lens):
-                c.keys[layer_idx, :, s : s + n] = k[offset : offset + n].transpose(0, 1)
-                c.values[layer_idx, :, s : s + n] = v[offset : offset + n].transpose(0, 1)
-                mask = causal_mask(positions[offset : offset + n], s + n, None)
-                outs.append(attn.attend(q[offset : offset + n].transpose(0, 1),
-                                        c.keys[layer_idx, :, : s + n], c.values[layer_idx, :, : s + n], mask))
-                offset += n
-            return torch.cat(outs) if len(outs) > 1 else outs[0]
+            if parts is None:
+                return attend_per_request(attn, layer_idx, q, k, v, layout, caches)
+            return attend_parts(parts, layer_idx, q, k, v, attn.scale, attn.window, attn.softcap)
 
-        out = self.run_layers(ids, hidden, positions, attend)
+        out = self.run_layers(ids, hidden, layout.positions, attend)
         for c, n in zip(caches, seq_lens):
             c.length += n
         return out
