@@ -16,6 +16,7 @@ Markdown page with the command.
 from __future__ import annotations
 
 import argparse
+import platform
 import statistics
 import sys
 import time
@@ -26,6 +27,17 @@ import torch
 from dspark.modeling import cpu_kernels
 from dspark.tables import markdown_table
 from dspark.target.loading import load_decoding_target
+
+
+def cpu_name() -> str:
+    """The CPU's model name (Linux), or the platform's processor string."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
 
 
 def main() -> None:
@@ -127,9 +139,11 @@ def main() -> None:
                  "(`Decoder.attention_kernel`).")
         why = ("the kernel sums scores and weighted values in float32 in its own order and normalises once, so an "
                "attention output can differ from SDPA's by a bf16 step")
+        route = "the C kernel" if cpu_kernels.prompts_to_kernel() else "SDPA"
         paths += (" The prefill rows put every prompt row through the path under test; the engine sends prompt "
-                  "pieces to SDPA whichever path decodes (`Decoder.forward`'s `prompt_from`, "
-                  "`attention.plan_kernel_attention`), as the kernel loses to it on long prompts.")
+                  "pieces to SDPA on CPUs with AMX tiles and to the C kernel elsewhere (`cpu_kernels.prompts_to_kernel`"
+                  f", `DSPARK_PROMPT_ATTENTION`): on this CPU ({cpu_name()}, AMX "
+                  f"{'yes' if cpu_kernels.has_amx() else 'no'}) to {route}.")
     spread = (f"contexts from {args.context // 2} to {3 * args.context // 2} tokens across the batch"
               if args.spread else f"{args.context} tokens in every request's cache")
     page = "\n".join([

@@ -14,8 +14,9 @@
 #   without one the row is skipped, nothing is trained), dspark-plain (--drafter none; the defaults: prompt chunks
 #   ride in the decode step's pass, a prefix cache of --max-batch prompts, the KV cache held from the start),
 #   dspark-plain-invariant (the same with --batch-invariant: prompt chunks in passes of their own, greedy text
-#   independent of the load; not in ROWS=all), dspark-plain-noprefix (--prefix-cache 0 --kv-reserve 0:
-#   vllm-plain-noprefix's counterpart, the cache grown on demand; not in ROWS=all), dspark-lookup
+#   independent of the load; not in ROWS=all), dspark-plain-noprefix (--prefix-cache 0: vllm-plain-noprefix's
+#   counterpart, the KV cache held from the start as vLLM holds its KV space; not in ROWS=all), dspark-plain-grow
+#   (--prefix-cache 0 --kv-reserve 0: the cache grown on demand, by doubling; not in ROWS=all), dspark-lookup
 #   (--drafter prompt-lookup), dspark-fixed1 / -alg1 / -async / -all (DRAFTER with STS, one row per verify policy),
 #   dspark-hybrid (DRAFTER --hybrid, policy HYBRID_POLICY).
 # One server at a time on 127.0.0.1:PORT: started, /health answered, one warm-up request, then the same
@@ -36,7 +37,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 DEFAULT_ROWS=vllm-plain,vllm-plain-noprefix,vllm-ngram,vllm-eagle3,dspark-plain,dspark-lookup,dspark-fixed1,dspark-alg1,dspark-async,dspark-all,dspark-hybrid
-EXTRA_ROWS=dspark-plain-invariant,dspark-plain-noprefix  # rows ROWS may name that ROWS=all leaves out
+EXTRA_ROWS=dspark-plain-invariant,dspark-plain-noprefix,dspark-plain-grow  # rows ROWS may name that ROWS=all leaves out
 DEFAULTS=(NUM_REQUESTS=32 CONCURRENCY=1,4,16,32 MAX_TOKENS=64 ROWS=all)
 PY=${PY:-$([ -x .venv/bin/python ] && echo .venv/bin/python || command -v python3)}
 VLLM_VENV=${VLLM_VENV:-.venv-vllm}
@@ -74,10 +75,13 @@ for kv in "${DEFAULTS[@]}"; do
     [ "$k" = ROWS ] || SMOKE=(--smoke)
   fi
 done
-for k in DRAFTER STS SPS_TABLE HYBRID_POLICY EAGLE3 VLLM_EAGER THREADS CPUS TEMPERATURE DSPARK_SRC; do  # the choices
+# DSPARK_PROMPT_ATTENTION (kernel|sdpa, inherited by the dspark servers): where prompt pieces attend (docs/architecture.md)
+DSPARK_PROMPT_ATTENTION=${DSPARK_PROMPT_ATTENTION:-}
+for k in DRAFTER STS SPS_TABLE HYBRID_POLICY EAGLE3 VLLM_EAGER THREADS CPUS TEMPERATURE DSPARK_SRC \
+         DSPARK_PROMPT_ATTENTION; do  # the choices
   case "$k=${!k}" in  # that change what a row measures, named on the page's command when not the default
     DRAFTER=checkpoints/smollm2-135m-dspark|"STS=$DRAFTER/sts.json"|SPS_TABLE=|HYBRID_POLICY=async) ;;
-    EAGLE3=|VLLM_EAGER=1|THREADS=1|CPUS=|TEMPERATURE=0|"DSPARK_SRC=$PWD/src") ;;
+    EAGLE3=|VLLM_EAGER=1|THREADS=1|CPUS=|TEMPERATURE=0|"DSPARK_SRC=$PWD/src"|DSPARK_PROMPT_ATTENTION=) ;;
     *) COMMAND="$k=${!k} $COMMAND" ;;
   esac
 done
@@ -152,7 +156,9 @@ row_setup() {
       vllm_argv --speculative-config "$spec" ;;
     dspark-plain) METHOD=plain; dspark_argv --drafter none ;;
     dspark-plain-invariant) METHOD="plain, --batch-invariant"; dspark_argv --drafter none --batch-invariant ;;
-    dspark-plain-noprefix) METHOD="plain, no prefix cache"; dspark_argv --drafter none --prefix-cache 0 --kv-reserve 0 ;;
+    dspark-plain-noprefix) METHOD="plain, no prefix cache"; dspark_argv --drafter none --prefix-cache 0 ;;
+    dspark-plain-grow) METHOD="plain, no prefix cache, KV grown on demand"
+      dspark_argv --drafter none --prefix-cache 0 --kv-reserve 0 ;;
     dspark-lookup) METHOD="prompt lookup (7 tokens, n-grams 3..1), policy all"; dspark_argv --drafter prompt-lookup --policy all ;;
     dspark-fixed1) METHOD="DSpark, policy fixed:1"; dspark_drafter --policy fixed:1 ;;
     dspark-alg1) METHOD="DSpark, policy alg1"; dspark_drafter --policy alg1 ;;

@@ -255,9 +255,27 @@ def test_the_attention_kernel_leaves_heads_it_cannot_take_to_sdpa(monkeypatch):
     assert target.model.model.use_cpu_kernels() and not target.model.model.attention_kernel
 
 
-def test_prompt_pieces_go_to_torchs_attention_and_decoding_rows_to_the_kernel(monkeypatch):
-    """``prompt_from`` names the prompt pieces of a pass: their rows take torch's fused attention (one path however
-    the prompt is cut), the decoding rows the C kernel (the bits they get alone)."""
+def test_prompt_pieces_go_to_sdpa_on_cpus_with_amx_and_to_the_kernel_elsewhere(monkeypatch):
+    monkeypatch.delenv("DSPARK_PROMPT_ATTENTION", raising=False)
+    for amx in (True, False):
+        monkeypatch.setattr(cpu_kernels, "has_amx", lambda amx=amx: amx)
+        assert cpu_kernels.prompts_to_kernel() is not amx
+        monkeypatch.setenv("DSPARK_PROMPT_ATTENTION", "kernel")
+        assert cpu_kernels.prompts_to_kernel()
+        monkeypatch.setenv("DSPARK_PROMPT_ATTENTION", "sdpa")
+        assert not cpu_kernels.prompts_to_kernel()
+        monkeypatch.delenv("DSPARK_PROMPT_ATTENTION")
+    monkeypatch.setenv("DSPARK_PROMPT_ATTENTION", "flash")
+    with pytest.raises(ValueError, match="DSPARK_PROMPT_ATTENTION='flash': expected one of auto, kernel, sdpa"):
+        cpu_kernels.prompts_to_kernel()
+
+
+@pytest.mark.parametrize("route", ["sdpa", "kernel"])
+def test_prompt_pieces_take_one_path_however_cut_and_decoding_rows_the_kernel(monkeypatch, route):
+    """``prompt_from`` names the prompt pieces of a pass: their rows take torch's fused attention
+    (``DSPARK_PROMPT_ATTENTION=sdpa``, the default on CPUs with AMX) or join the decoding rows' C call (``kernel``,
+    the default elsewhere): one path however the prompt is cut; the decoding rows get the bits they get alone."""
+    monkeypatch.setenv("DSPARK_PROMPT_ATTENTION", route)
     target = _kernel_tiny()
     kernel_rows = []
     attention = cpu_kernels.attention
@@ -266,7 +284,8 @@ def test_prompt_pieces_go_to_torchs_attention_and_decoding_rows_to_the_kernel(mo
     other = torch.randint(0, 96, (30,), generator=torch.Generator().manual_seed(2))
     whole = target.new_cache(64)
     ref = target.forward(prompt, [41], [whole], logits_for="all", prompt_from=0).logits
-    assert kernel_rows == []  # a prompt alone: no kernel call
+    layers = len(target.model.model.layers)
+    assert kernel_rows == ([] if route == "sdpa" else [41] * layers)  # a prompt alone: one path or the other
     pieces, busy, alone = target.new_cache(64), target.new_cache(64), target.new_cache(64)
     target.forward(other[:20], [20], [busy], logits_for="none", prompt_from=0)
     target.forward(other[:20], [20], [alone], logits_for="none", prompt_from=0)
@@ -276,7 +295,8 @@ def test_prompt_pieces_go_to_torchs_attention_and_decoding_rows_to_the_kernel(mo
         kernel_rows.clear()
         out = target.forward(torch.cat([token, prompt[a:b]]), [1, b - a], [busy, pieces], logits_for="all",
                              prompt_from=1).logits
-        assert kernel_rows == [1] * len(target.model.model.layers)  # the decoding row only, once per layer
+        # the decoding row alone in the kernel's call, or with the piece: one call per layer either way
+        assert kernel_rows == [1 if route == "sdpa" else 1 + b - a] * layers
         solo = target.forward(token, [1], [alone], logits_for="all").logits
         assert torch.equal(out[:1], solo)
         got.append(out[1:])

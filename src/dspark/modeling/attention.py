@@ -36,8 +36,9 @@ On a GPU the padded block goes to SDPA (fused kernels; no such guarantee).
 
 With the decoder's C kernels on (``Decoder.attention_kernel``) the decode and verify rows of all requests go to
 ``cpu_kernels.attention`` in one call per layer instead, each token reading positions ``lo .. hi-1`` of its slot
-(``BatchLayout.kernel_ranges``), while the prompt pieces the caller names (``plan_kernel_attention``'s
-``prompt_from``) keep torch's fused path above, faster on long query blocks.
+(``BatchLayout.kernel_ranges``). The prompt pieces the caller names (``plan_kernel_attention``'s ``prompt_from``)
+keep torch's fused path above on CPUs with AMX tiles, where it is faster on long query blocks, and join the kernel's
+call elsewhere (``cpu_kernels.prompts_to_kernel``).
 
 Shapes: R = requests, N = tokens, T = most query rows of one request, B = key blocks read (all
 requests), L = BLOCK, S = padded key length (GPU path), Hq / Hkv = query / KV heads, g = Hq / Hkv,
@@ -283,12 +284,12 @@ def plan_kernel_attention(seq_lens: list[int], caches: list[KVCache] | None, dev
                           prompt_from: int | None = None) -> list[AttentionPart]:
     """The plan with the C kernel on: the decode and verify rows of every request in one kernel part, and the prompt
     pieces (requests ``prompt_from`` on; None: none) through torch's fused attention, as ``plan_attention`` parts
-    them. On a long query block torch's kernel multiplies whole tiles (oneDNN's bf16 matmuls) and is 1.5x faster
-    per prompt here (docs/reports/cpu-attention-kernel.md §Prompts); the C kernel is faster for the short blocks of
-    decoding. The split is by what a request is, never by its length, so a prompt's rows take one path however it is
-    cut into pieces and a decoding row one path whatever else the pass holds."""
+    them, where ``cpu_kernels.prompts_to_kernel`` says so (CPUs with AMX tiles: there torch's kernel multiplies
+    whole tiles and is 1.5x faster per prompt, docs/reports/cpu-attention-kernel.md §Prompts); elsewhere the prompt
+    pieces join the kernel's one part. The split is by what a request is, never by its length, so a prompt's rows
+    take one path however it is cut into pieces and a decoding row one path whatever else the pass holds."""
     R = len(seq_lens)
-    prompt_from = R if prompt_from is None else max(0, min(prompt_from, R))
+    prompt_from = R if prompt_from is None or cpu_kernels.prompts_to_kernel() else max(0, min(prompt_from, R))
     if prompt_from == R:
         return [AttentionPart(None, BatchLayout.build(seq_lens, caches, device), kernel=True)]
     n0 = sum(seq_lens[:prompt_from])

@@ -29,6 +29,7 @@ Shapes: N = rows (tokens), H = hidden size, M = MLP width, Hq / Hkv = query / KV
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -436,6 +437,31 @@ def attention_takes(head_dim: int) -> bool:
     ``DSPARK_ATTENTION_KERNEL=0`` leaves attention to torch's SDPA."""
     return (head_dim % _LANES == 0 and head_dim <= 8 * _LANES
             and os.environ.get("DSPARK_ATTENTION_KERNEL", "1") != "0" and available())
+
+#: where prompt pieces attend when the C kernel decodes: ``auto`` (the default), ``kernel`` or ``sdpa``
+PROMPT_ATTENTION_MODES = ("auto", "kernel", "sdpa")
+
+
+def prompts_to_kernel() -> bool:
+    """Whether prompt pieces go through ``attention`` with the decoding rows (else through torch's fused attention).
+
+    ``DSPARK_PROMPT_ATTENTION=kernel|sdpa`` chooses; ``auto`` (the default) takes torch's kernel on CPUs with AMX
+    tiles, where its flash kernel multiplies query and key tiles with AMX and beats this kernel on long prompts,
+    and this kernel elsewhere: on an AVX512-BF16 AMD EPYC without AMX it is 1.5-2.7x faster than torch's per
+    prompt piece (docs/reports/cpu-attention-kernel.md §Prompts on a CPU without AMX). The choice depends on the
+    machine only, never on a timing, so a server computes the same bits on every start."""
+    mode = os.environ.get("DSPARK_PROMPT_ATTENTION") or "auto"
+    if mode not in PROMPT_ATTENTION_MODES:
+        raise ValueError(f"DSPARK_PROMPT_ATTENTION={mode!r}: expected one of {', '.join(PROMPT_ATTENTION_MODES)}")
+    return mode == "kernel" or (mode == "auto" and not has_amx())
+
+
+@functools.cache
+def has_amx() -> bool:
+    """Whether this CPU has AMX tiles (torch's probe; False where this torch has none)."""
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(probe()) if probe is not None else False
+
 
 def attention(
     q: torch.Tensor,  # (N, Hq, D) bfloat16, rows of requests concatenated; heads contiguous

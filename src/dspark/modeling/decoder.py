@@ -23,7 +23,8 @@ adds and SiLU product run as C loops (``dspark.modeling.cpu_kernels``) instead o
 the residual add and the next layer's norm in one pass; the same rounding as the torch ops, row by row. Where the
 head dim suits it (``attention_kernel``), attention too: one C call per layer for the decode and verify rows of
 every request (``cpu_kernels.attention``); the prompt pieces a caller names (``prompt_from``) keep torch's fused
-attention, faster on long query blocks.
+attention where it is faster on long query blocks (CPUs with AMX tiles), and join the C call elsewhere
+(``cpu_kernels.prompts_to_kernel``).
 
 Shapes: N = tokens in the batch, H = hidden size, V = vocabulary,
 F = len(capture_layers) * H.
@@ -102,7 +103,7 @@ class Decoder(nn.Module):
         kernel = fused and not per_request and self.attention_kernel  # every request's attention in one C call
         if per_request:
             parts = None
-        elif kernel:  # decoding rows through the C kernel, prompt pieces through torch's fused attention
+        elif kernel:  # decoding rows through the C kernel; prompt pieces too or through SDPA (prompts_to_kernel)
             parts = plan_kernel_attention(seq_lens, caches, input_ids.device, prompt_from)
         else:
             parts = plan_attention(seq_lens, caches, input_ids.device)
