@@ -25,9 +25,9 @@ def main() -> None:
     own, inclusive, under, total = collections.Counter(), collections.Counter(), collections.Counter(), 0
     for number, line in enumerate(args.stacks.read_text().splitlines(), 1):
         stack, _, count = line.rpartition(" ")
-        if not stack or not count.isdigit():
+        if not count.isdigit():
             raise SystemExit(f"collapsed_stacks.py: {args.stacks}:{number} is not 'frame;frame;... count'")
-        n, frames = int(count), stack.split(";")
+        n, frames = int(count), stack.split(";") if stack else ["(no Python frame)"]  # py-spy: a native-only sample
         total += n
         own[frames[-1]] += n
         for frame in dict.fromkeys(frames):  # once per stack, in stack order (ties print the same each run)

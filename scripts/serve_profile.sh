@@ -25,6 +25,7 @@ PORT=${PORT:-8031}
 OUT=${OUT:-runs/serve-profile}
 MODEL=${MODEL:-smollm2-135m}
 command -v "$PY_SPY" >/dev/null || { echo "no py-spy at '$PY_SPY' (PY_SPY=...; see the header)"; exit 2; }
+curl -sf "http://127.0.0.1:$PORT/health" >/dev/null 2>&1 && { echo "something already answers on port $PORT; PORT=..."; exit 2; }
 mkdir -p "$OUT"
 sts=()
 [ "$DRAFTER" != none ] && [ -f "$DRAFTER/sts.json" ] && sts=(--sts "$DRAFTER/sts.json")
@@ -32,13 +33,13 @@ PYTHONPATH="$PWD/src" setsid "$PY" -m dspark.cli --threads 1 serve --target "$MO
   --max-batch "$CLIENTS" --host 127.0.0.1 --port "$PORT" --log-level warning --drafter "$DRAFTER" "${sts[@]}" \
   --policy "$POLICY" > "$OUT/server.log" 2>&1 &
 server=$!
-trap 'kill -- -$server 2>/dev/null || true' EXIT
+trap 'kill -- -$server 2>/dev/null || true; wait $server 2>/dev/null || true' EXIT  # gone before the next run
 for _ in $(seq 150); do
   curl -sf "http://127.0.0.1:$PORT/health" >/dev/null 2>&1 && break
   kill -0 "$server" 2>/dev/null || { echo "the server exited; see $OUT/server.log"; exit 1; }
   sleep 2
 done
-core=$(grep -o 'engine core in process [0-9]*' "$OUT/server.log" | grep -o '[0-9]*$')
+core=$(grep -o 'engine core in process [0-9]*' "$OUT/server.log" | grep -o '[0-9]*$' || true)
 [ -n "$core" ] || { echo "no engine core pid in $OUT/server.log"; exit 1; }
 PYTHONPATH="$PWD/src" "$PY" -m dspark.cli --threads 1 bench serve --url "http://127.0.0.1:$PORT" \
   --concurrency "$CLIENTS" --num-requests "$NUM_REQUESTS" --max-tokens "$MAX_TOKENS" --temperature 0 \
@@ -52,6 +53,7 @@ mixed=$(grep -n 'self._step(with_prefill=True)' src/dspark/serving/engine.py | c
 [ -n "$mixed" ] || { echo "no mixed-step call in src/dspark/serving/engine.py: update this script"; exit 1; }
 drafter=""
 [ "$DRAFTER" = checkpoints/smollm2-135m-dspark ] || drafter="DRAFTER=$DRAFTER "
+[ -z "${DSPARK_PROMPT_ATTENTION:-}" ] || drafter="DSPARK_PROMPT_ATTENTION=$DSPARK_PROMPT_ATTENTION $drafter"
 "$PY" scripts/collapsed_stacks.py "$OUT/stacks.txt" --under "engine.py:$mixed" --under DSparkDrafter.propose \
   --title "Written by \`${drafter}POLICY=$POLICY CLIENTS=$CLIENTS NUM_REQUESTS=$NUM_REQUESTS MAX_TOKENS=$MAX_TOKENS \
 bash scripts/serve_profile.sh\` (py-spy on the engine core for $DURATION s, $RATE samples/s)." | tee "$OUT/profile.md"

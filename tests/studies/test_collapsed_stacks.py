@@ -26,6 +26,14 @@ def test_shares_add_up_by_frame(tmp_path):
     assert "| 20.0 % | `propose (d.py:4)` |" in out
 
 
+def test_a_sample_with_no_python_frame_counts_as_one(tmp_path):
+    stacks = tmp_path / "stacks.txt"  # py-spy writes a line with an empty stack for a native-only sample
+    stacks.write_text("run (e.py:1);step (e.py:9) 3\n 1\n")
+    done = _run(stacks)
+    assert done.returncode == 0, done.stderr
+    assert "4 samples." in done.stdout and "| 25.0 % | `(no Python frame)` |" in done.stdout
+
+
 def test_refuses_a_missing_or_malformed_file(tmp_path):
     done = _run(tmp_path / "none.txt")
     assert done.returncode != 0 and "no file" in done.stderr and "Traceback" not in done.stderr

@@ -447,8 +447,8 @@ def prompts_to_kernel() -> bool:
 
     ``DSPARK_PROMPT_ATTENTION=kernel|sdpa`` chooses; ``auto`` (the default) takes torch's kernel on CPUs with AMX
     tiles, where its flash kernel multiplies query and key tiles with AMX and beats this kernel on long prompts,
-    and this kernel elsewhere: on an AVX512-BF16 AMD EPYC without AMX it is 1.5-2.7x faster than torch's per
-    prompt piece (docs/reports/cpu-attention-kernel.md §Prompts on a CPU without AMX). The choice depends on the
+    and this kernel elsewhere: on an AVX512-BF16 AMD EPYC without AMX it makes whole prefills 1.09-1.67x faster
+    (docs/reports/cpu-attention-kernel.md §Prompts on a CPU without AMX). The choice depends on the
     machine only, never on a timing, so a server computes the same bits on every start."""
     mode = os.environ.get("DSPARK_PROMPT_ATTENTION") or "auto"
     if mode not in PROMPT_ATTENTION_MODES:
