@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from dspark.errors import DSparkError
 from dspark.modeling import cpu_kernels
 from dspark.modeling.layers import RMSNorm, fuse_projections, rope_tables, rotate
 from dspark.modeling.packed import pack_linears
@@ -266,8 +267,8 @@ def test_prompt_pieces_go_to_sdpa_on_cpus_with_amx_and_to_the_kernel_elsewhere(m
         assert not cpu_kernels.prompts_to_kernel()
         monkeypatch.delenv("DSPARK_PROMPT_ATTENTION")
     monkeypatch.setenv("DSPARK_PROMPT_ATTENTION", "flash")
-    with pytest.raises(ValueError, match="DSPARK_PROMPT_ATTENTION='flash': expected one of auto, kernel, sdpa"):
-        cpu_kernels.prompts_to_kernel()
+    with pytest.raises(DSparkError, match="DSPARK_PROMPT_ATTENTION='flash': expected one of auto, kernel, sdpa"):
+        _kernel_tiny()  # refused when the model is loaded for decoding, before any prompt
 
 
 @pytest.mark.parametrize("route", ["sdpa", "kernel"])

@@ -41,6 +41,8 @@ from pathlib import Path
 
 import torch
 
+from dspark.errors import DSparkError
+
 _SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
@@ -172,6 +174,12 @@ static inline lanes_t load_bf16(const uint16_t *x) {  /* LANES bf16 -> float lan
   return f;
 }
 
+static inline lanes_t load_f32(const float *x) {  /* LANES floats (converted once from bf16: the same values) */
+  lanes_t f;
+  memcpy(&f, x, sizeof f);
+  return f;
+}
+
 #define MAX_CHUNKS 8  /* head dim at most MAX_CHUNKS * LANES */
 #define MAX_ROWS 8    /* rows that share a pass over the keys */
 
@@ -180,7 +188,9 @@ static inline lanes_t load_bf16(const uint16_t *x) {  /* LANES bf16 -> float lan
    (strides in elements: slot, head, position; d contiguous), token t the positions lo[t] .. hi[t] - 1. Query head h
    reads KV head h / (hq / hkv). The (token, head) rows of a request that read one KV head go over its keys a few
    together (consecutive tokens, up to 24 / (d / LANES) rows: their outputs stay in registers), each key and value
-   converted to float once for them. Each row is still computed alone, the same way whatever the other rows: the
+   converted to float once for them; where a request's rows need several such passes (a prompt piece, a verify
+   block) its keys and values are converted once for all of them into the scratch after the scores (the same
+   floats, so the same results). Each row is still computed alone, the same way whatever the other rows: the
    score of a key as LANES partial sums over the head dim reduced by one fixed tree, a softmax over the row's own
    positions with its own maximum, the weighted values added in position order (positions outside the row's range
    weigh exactly 0, adding nothing), one rounding to bf16 at the end. work: attention_work floats. */
@@ -189,7 +199,8 @@ static inline lanes_t load_bf16(const uint16_t *x) {  /* LANES bf16 -> float lan
 static inline __attribute__((always_inline)) void row_group(
     const uint16_t *q, int64_t q_stride, const uint16_t *kb, const uint16_t *vb, int64_t s_pos, const int64_t *lo,
     const int64_t *hi, int64_t hq, int64_t g, int64_t kh, int64_t r0, const int64_t rows, const int64_t chunks,
-    float scale, uint16_t *out, float *work) {
+    float scale, uint16_t *out, float *work, const int conv, const float *kf, const float *vf) {
+  /* conv (constant where called): the keys and values already converted to float, position j at kf + j * d */
   const int64_t d = chunks * LANES;
     int64_t ra[MAX_ROWS], rb[MAX_ROWS], A = INT64_MAX, B = 0;
     lanes_t qv[MAX_ROWS][MAX_CHUNKS];
@@ -211,7 +222,8 @@ static inline __attribute__((always_inline)) void row_group(
         int64_t j = x * LANES + l;
         lanes_t kv[MAX_CHUNKS];
         for (int64_t c = 0; c < chunks; c++)  /* positions past the rows' end read as 0 (their scores unused) */
-          kv[c] = j < B ? load_bf16(kb + j * s_pos + c * LANES) : (lanes_t){0};
+          kv[c] = j >= B ? (lanes_t){0}
+                  : conv ? load_f32(kf + j * d + c * LANES) : load_bf16(kb + j * s_pos + c * LANES);
         for (int64_t i = 0; i < rows; i++) {
           lanes_t sum = {0};
           if (on[i])
@@ -254,7 +266,8 @@ static inline __attribute__((always_inline)) void row_group(
       for (int64_t c = 0; c < chunks; c++) ov[i][c] = (lanes_t){0};
     for (int64_t j = A; j < B; j++) {  /* values: each converted once, added to the rows in position order */
       lanes_t vv[MAX_CHUNKS];
-      for (int64_t c = 0; c < chunks; c++) vv[c] = load_bf16(vb + j * s_pos + c * LANES);
+      for (int64_t c = 0; c < chunks; c++)
+        vv[c] = conv ? load_f32(vf + j * d + c * LANES) : load_bf16(vb + j * s_pos + c * LANES);
       for (int64_t i = 0; i < rows; i++) {
         float w = j >= ra[i] && j < rb[i] ? sc[i * stride + j] : 0.0f;  /* +0 weight: the sum stays as it is */
         for (int64_t c = 0; c < chunks; c++) ov[i][c] += w * vv[c];
@@ -275,20 +288,44 @@ static inline __attribute__((always_inline)) void attention_impl(
     int64_t hq, int64_t hkv, const int64_t d, float scale, uint16_t *out, float *work) {
   const int64_t chunks = d / LANES, g = hq / hkv;
   const int64_t max_rows = 24 / chunks < 1 ? 1 : (24 / chunks > MAX_ROWS ? MAX_ROWS : 24 / chunks);
+  int64_t top = 0;  /* the last position any token reads: the scores take MAX_ROWS rows of it, converted keys follow */
+  for (int64_t t = 0; t < tok[R]; t++) top = hi[t] > top ? hi[t] : top;
+  float *cvt = work + MAX_ROWS * (top + 2 * LANES);
   for (int64_t r = 0; r < R; r++)
     for (int64_t kh = 0; kh < hkv; kh++) {
       const uint16_t *kb = k + slot[r] * s_slot + kh * s_head, *vb = v + slot[r] * s_slot + kh * s_head;
       int64_t first = tok[r] * g, last = tok[r + 1] * g;  /* rows (t, i): t = row / g, head kh * g + row % g */
+      const float *kf = NULL, *vf = NULL;
+      if (last - first > max_rows) {  /* several passes over these keys (a prompt piece, a verify block): each key and
+                                         value converted to float once for all of them, the same values */
+        int64_t A = INT64_MAX, B = 0;
+        for (int64_t t = tok[r]; t < tok[r + 1]; t++) {
+          A = lo[t] < A ? lo[t] : A;
+          B = hi[t] > B ? hi[t] : B;
+        }
+        A = A / LANES * LANES;  /* the passes read whole tiles of positions from there */
+        float *kc = cvt, *vc = cvt + (B - A) * d;
+        for (int64_t j = A; j < B; j++)
+          for (int64_t c = 0; c < chunks; c++) {
+            lanes_t x = load_bf16(kb + j * s_pos + c * LANES), y = load_bf16(vb + j * s_pos + c * LANES);
+            memcpy(kc + (j - A) * d + c * LANES, &x, sizeof x);
+            memcpy(vc + (j - A) * d + c * LANES, &y, sizeof y);
+          }
+        kf = kc - A * d;  /* indexed by absolute position */
+        vf = vc - A * d;
+      }
       for (int64_t r0 = first; r0 < last; r0 += max_rows) {
         int64_t rows = last - r0 < max_rows ? last - r0 : max_rows;
-        if (rows == 6 && chunks == 4)  /* d = 64: two tokens of three heads (prefill) */
-          row_group(q, q_stride, kb, vb, s_pos, lo, hi, hq, g, kh, r0, 6, 4, scale, out, work);
+        if (kf && rows == 6 && chunks == 4)  /* d = 64: two tokens of three heads (prefill, verify) */
+          row_group(q, q_stride, kb, vb, s_pos, lo, hi, hq, g, kh, r0, 6, 4, scale, out, work, 1, kf, vf);
+        else if (kf)
+          row_group(q, q_stride, kb, vb, s_pos, lo, hi, hq, g, kh, r0, rows, chunks, scale, out, work, 1, kf, vf);
         else if (rows == 3 && chunks == 4)  /* d = 64: a decoding token of three heads */
-          row_group(q, q_stride, kb, vb, s_pos, lo, hi, hq, g, kh, r0, 3, 4, scale, out, work);
+          row_group(q, q_stride, kb, vb, s_pos, lo, hi, hq, g, kh, r0, 3, 4, scale, out, work, 0, kf, vf);
         else if (rows == 3 && chunks == 8)  /* d = 128 */
-          row_group(q, q_stride, kb, vb, s_pos, lo, hi, hq, g, kh, r0, 3, 8, scale, out, work);
+          row_group(q, q_stride, kb, vb, s_pos, lo, hi, hq, g, kh, r0, 3, 8, scale, out, work, 0, kf, vf);
         else
-          row_group(q, q_stride, kb, vb, s_pos, lo, hi, hq, g, kh, r0, rows, chunks, scale, out, work);
+          row_group(q, q_stride, kb, vb, s_pos, lo, hi, hq, g, kh, r0, rows, chunks, scale, out, work, 0, kf, vf);
       }
     }
 }
@@ -419,7 +456,8 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, hea
 def attention_work(last_key: int) -> torch.Tensor:
     """The float32 scratch ``attention`` needs when no token reads past position ``last_key``; allocate once per
     forward and share between the layers."""
-    return torch.empty(8 * (last_key + 2 * _LANES), dtype=torch.float32)  # MAX_ROWS rows of scores
+    # MAX_ROWS rows of scores, then one request's keys and values converted to float (head dim at most 8 * LANES)
+    return torch.empty(8 * (last_key + 2 * _LANES) + 2 * 8 * _LANES * (last_key + _LANES), dtype=torch.float32)
 
 def layers_fit(spec) -> bool:
     """Whether a decoder's layers (a ``DecoderSpec``) can take the element-wise kernels: plain RMSNorms (no offset, no
@@ -447,12 +485,12 @@ def prompts_to_kernel() -> bool:
 
     ``DSPARK_PROMPT_ATTENTION=kernel|sdpa`` chooses; ``auto`` (the default) takes torch's kernel on CPUs with AMX
     tiles, where its flash kernel multiplies query and key tiles with AMX and beats this kernel on long prompts,
-    and this kernel elsewhere: on an AVX512-BF16 AMD EPYC without AMX it makes whole prefills 1.09-1.67x faster
+    and this kernel elsewhere: on an AVX512-BF16 AMD EPYC without AMX it makes whole prefills 1.09-1.80x faster
     (docs/reports/cpu-attention-kernel.md §Prompts on a CPU without AMX). The choice depends on the
     machine only, never on a timing, so a server computes the same bits on every start."""
     mode = os.environ.get("DSPARK_PROMPT_ATTENTION") or "auto"
     if mode not in PROMPT_ATTENTION_MODES:
-        raise ValueError(f"DSPARK_PROMPT_ATTENTION={mode!r}: expected one of {', '.join(PROMPT_ATTENTION_MODES)}")
+        raise DSparkError(f"DSPARK_PROMPT_ATTENTION={mode!r}: expected one of {', '.join(PROMPT_ATTENTION_MODES)}")
     return mode == "kernel" or (mode == "auto" and not has_amx())
 
 

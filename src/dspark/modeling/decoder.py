@@ -77,6 +77,8 @@ class Decoder(nn.Module):
                         for layer in self.layers))
         self.cpu_kernels = bool(on and fits and cpu_kernels.available())
         self.attention_kernel = self.cpu_kernels and cpu_kernels.attention_fits(self.layers[0].self_attn)
+        if self.attention_kernel:
+            cpu_kernels.prompts_to_kernel()  # a bad DSPARK_PROMPT_ATTENTION stops the load, not the first prompt
         return self.cpu_kernels
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # (N,) -> (N, H)
