@@ -284,7 +284,7 @@ def plan_kernel_attention(seq_lens: list[int], caches: list[KVCache] | None, dev
                           prompt_from: int | None = None) -> list[AttentionPart]:
     """The plan with the C kernel on: the decode and verify rows of every request in one kernel part, and the prompt
     pieces (requests ``prompt_from`` on; None: none) through torch's fused attention, as ``plan_attention`` parts
-    them, where ``cpu_kernels.prompts_to_kernel`` says so (CPUs with AMX tiles: there torch's kernel multiplies
+    them, where ``cpu_kernels.prompts_to_kernel`` is False (CPUs with AMX tiles: there torch's kernel multiplies
     whole tiles and is 1.5x faster per prompt, docs/reports/cpu-attention-kernel.md §Prompts); elsewhere the prompt
     pieces join the kernel's one part. The split is by what a request is, never by its length, so a prompt's rows
     take one path however it is cut into pieces and a decoding row one path whatever else the pass holds."""
