@@ -11,8 +11,10 @@ one-row matmul (a GEMV) with another reduction order than a matmul of two or
 more rows, whose rows all come out bitwise equal from 2 to 32 rows (docs/reports/matmul-regimes.md). A
 one-token decode step and a verify block then round differently, so a greedy
 near-tie can flip between plain and speculative decoding. With the flag on, a
-forward or logits call of exactly one row runs on that row twice and keeps
-one: every row is computed as a verify block computes it. The price is paid
+forward or logits call of exactly one row runs on that row repeated (twice; in
+bf16 4 times, the rows a packed linear pads a small product to anyway, so that
+no layer pads it again) and keeps one: every row is computed as a verify block
+computes it. The price is paid
 by steps of one row only (plain decoding, a step with no drafts): about 13 %
 of such a step with prepacked bf16 weights on SmolLM2
 (docs/reports/performance-packing.md). ``TargetModel.batch_invariance_holds`` checks the
@@ -35,7 +37,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dspark.modeling import cpu_kernels
+from dspark.modeling import cpu_kernels, packed
 from dspark.modeling.attention import BatchLayout, attend_parts, plan_attention, plan_kernel_attention
 from dspark.modeling.kv_cache import KVCache, KVPool
 from dspark.modeling.layers import DecoderLayer, RMSNorm, Rope
@@ -114,10 +116,12 @@ class Decoder(nn.Module):
         layout = parts[0].layout if whole else BatchLayout.build(seq_lens, caches, input_ids.device, pooled=False)
         positions = layout.positions  # (N,)
         N = input_ids.shape[0]
-        pad = self.batch_invariant and N == 1  # the dense layers see 2 rows, attention the real one
+        pad = self.batch_invariant and N == 1  # the dense layers see the row repeated, attention the real one
+        # repeated to 2 rows, or in bf16 to the MIN_ROWS a packed linear pads to anyway (the same rows it would build)
+        copies = packed.MIN_ROWS if pad and self.embed_tokens.weight.dtype == torch.bfloat16 else 2
         if pad:
-            input_ids, positions = input_ids.expand(2).contiguous(), positions.expand(2).contiguous()  # the row twice
-        x = self.embed(input_ids)  # (N, H), (2, H) when padded
+            input_ids, positions = input_ids.expand(copies).contiguous(), positions.expand(copies).contiguous()
+        x = self.embed(input_ids)  # (N, H), (copies, H) when padded
         rope = Rope(positions)  # cos/sin once per forward, shared by the layers
         captured: dict[int, torch.Tensor] = {}
         want = set(capture_layers or ())
@@ -136,7 +140,7 @@ class Decoder(nn.Module):
                 attn_out = attend_per_request(attn, layer_idx, q, k, v, layout, caches)
             else:
                 attn_out = attend_parts(parts, layer_idx, q, k, v, attn.scale, attn.window, attn.softcap)
-            attn_out = attn_out.expand(2, -1).contiguous() if pad else attn_out  # (N, Hq*D); expand: repeat is slow
+            attn_out = attn_out.expand(copies, -1).contiguous() if pad else attn_out  # (N, Hq*D); repeat is slower
             if fused:
                 following = self.layers[layer_idx + 1].input_layernorm if layer_idx + 1 < len(self.layers) else self.norm
                 x, h = layer.post_attention_fused(x, attn_out, following)
