@@ -210,3 +210,32 @@ def test_a_batch_drafts_what_each_request_drafts_alone(tiny, separate_pools):
     assert (batch.draft_probs[2, :3] > 0).sum(-1).le(5).all()  # top-k 5
     if not separate_pools:
         assert len({id(req.draft_state.pool) for req in reqs}) == 1
+
+
+def test_in_bf16_on_the_cpu_the_chain_attends_through_the_c_kernel_and_a_batch_drafts_what_each_alone(monkeypatch):
+    """bf16 decoding on the CPU: every chain pass and catch-up attends in one C kernel call per layer (each row over
+    its own positions), a batch proposes bit for bit what each request proposes alone, and the drafts are those of
+    torch's attention up to bf16 rounding."""
+    from dspark.modeling import cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.skip("no C compiler here: the kernels are off")
+    target = tiny_target(seed=3, head_dim=16)
+    target.model.to(torch.bfloat16)
+    model = tiny_eagle3(target, ttt_length=3, block_size=3).to(torch.bfloat16)
+    calls = []
+    attention = cpu_kernels.attention
+    monkeypatch.setattr(cpu_kernels, "attention", lambda q, *a: calls.append(q.shape[0]) or attention(q, *a))
+    want = [3, 2, 3]
+    with torch.inference_mode():
+        alone = [Eagle3Drafter(model).propose([req], [n]) for req, n in zip(_mixed_requests(target), want)]
+        calls.clear()
+        batch = Eagle3Drafter(model).propose(_mixed_requests(target), want)
+        assert len(calls) == 3 * len(model.layers)  # the catch-up and two chain passes, one call per layer each
+        for r, one in enumerate(alone):
+            n = want[r]
+            assert torch.equal(batch.tokens[r, :n], one.tokens[0, :n]), r
+            assert torch.equal(batch.draft_probs[r, :n], one.draft_probs[0, :n]), r
+        monkeypatch.setenv("DSPARK_ATTENTION_KERNEL", "0")  # torch's attention instead
+        sdpa = Eagle3Drafter(model).propose(_mixed_requests(target), want)
+    assert torch.allclose(sdpa.draft_probs, batch.draft_probs, atol=0.05)

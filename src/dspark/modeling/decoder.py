@@ -65,7 +65,7 @@ class Decoder(nn.Module):
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.norm_offset)
-        self.batch_invariant = False  # run a lone row as two (see the module docstring)
+        self.batch_invariant = False  # run a lone row repeated (see the module docstring)
         self.attention = "batched"  # or "per-request": the reference loop (benchmarks)
         self.cpu_kernels = False  # bf16 rows without gradients through dspark.modeling.cpu_kernels (use_cpu_kernels)
         self.attention_kernel = False  # and their attention through cpu_kernels.attention (use_cpu_kernels)
