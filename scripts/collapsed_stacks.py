@@ -23,7 +23,11 @@ def main() -> None:
     if not args.stacks.is_file():
         raise SystemExit(f"collapsed_stacks.py: no file {args.stacks}")
     own, inclusive, under, total = collections.Counter(), collections.Counter(), collections.Counter(), 0
-    for number, line in enumerate(args.stacks.read_text().splitlines(), 1):
+    with open(args.stacks, encoding="utf-8", errors="replace", newline="") as f:  # py-spy writes junk frames at times:
+        text = f.read()  # bytes that are not UTF-8, a \r or a \x85 inside a name; only \n ends a line
+    for number, line in enumerate(text.split("\n"), 1):
+        if not line:
+            continue
         stack, _, count = line.rpartition(" ")
         if not count.isdigit():
             raise SystemExit(f"collapsed_stacks.py: {args.stacks}:{number} is not 'frame;frame;... count'")

@@ -26,12 +26,12 @@ def test_shares_add_up_by_frame(tmp_path):
     assert "| 20.0 % | `propose (d.py:4)` |" in out
 
 
-def test_a_sample_with_no_python_frame_counts_as_one(tmp_path):
+def test_a_sample_with_no_python_frame_or_an_odd_frame_name_is_read(tmp_path):
     stacks = tmp_path / "stacks.txt"  # py-spy writes a line with an empty stack for a native-only sample
-    stacks.write_text("run (e.py:1);step (e.py:9) 3\n 1\n")
-    done = _run(stacks)
+    stacks.write_bytes(b"run (e.py:1);step (e.py:9) 3\n 1\nrun (e.py:1);odd\r\xc2\x85\xff name (?:0) 4\n")
+    done = _run(stacks)  # a junk frame name: a \r, a \x85 (line breaks to Python's text mode) and a byte not UTF-8
     assert done.returncode == 0, done.stderr
-    assert "4 samples." in done.stdout and "| 25.0 % | `(no Python frame)` |" in done.stdout
+    assert "8 samples." in done.stdout and "| 12.5 % | `(no Python frame)` |" in done.stdout
 
 
 def test_refuses_a_missing_or_malformed_file(tmp_path):
