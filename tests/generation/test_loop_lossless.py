@@ -21,7 +21,7 @@ import dataclasses
 import pytest
 import torch
 
-import dspark.drafters.dspark.drafter as dspark_drafter
+import dspark.drafters.draft_sampler as draft_sampler  # where the DSpark drafter samples its sampled rows
 from dspark.drafters.dspark.drafter import DSparkDrafter
 from dspark.generation.generator import SpeculativeGenerator
 from dspark.sampling.processing import SamplingParams, logits_to_probs, sample_with_uniforms
@@ -106,10 +106,10 @@ def _report_draft_probs_without(monkeypatch, sampling: SamplingParams, dropped: 
     (the verifier corrects any proposal it is told the truth about); the bug is the mismatch.
     """
     s, wrong = sampling, dataclasses.replace(sampling, **dropped)
-    monkeypatch.setattr(dspark_drafter, "logits_to_probs_rows",
+    monkeypatch.setattr(draft_sampler, "logits_to_probs_rows",
                         lambda logits, *_: logits_to_probs(logits, wrong.temperature, wrong.top_k, wrong.top_p))
     # log(reported) * T' recovers the logits up to a constant: sample from the request's processed law
-    monkeypatch.setattr(dspark_drafter, "sample_with_uniforms", lambda probs, u: sample_with_uniforms(
+    monkeypatch.setattr(draft_sampler, "sample_with_uniforms", lambda probs, u: sample_with_uniforms(
         logits_to_probs(probs.log() * wrong.temperature, s.temperature, s.top_k, s.top_p), u))
 
 

@@ -1,5 +1,6 @@
 """Drafting one position of a batch of requests: greedy rows by argmax, sampled rows from their processed
-distributions, in a few tensor operations (the autoregressive drafters: Eagle3, the draft LM).
+distributions, in a few tensor operations (the autoregressive drafters: Eagle3, the draft LM; DSpark's sequential
+head samples its sampled rows through ``DraftSampler.sample``).
 
 Shapes: R = requests, A = rows drafted now (some of the R), S = sampled rows among them, W = the drafter's
 vocabulary (V, or its draft vocabulary).
@@ -35,8 +36,14 @@ class DraftSampler:
         if not sampled:
             return w, sampled, None
         si = torch.tensor(sampled, device=logits.device)  # (S,)
-        sr = torch.tensor([rows[i] for i in sampled])  # (S,) their requests
-        probs = logits_to_probs_rows(logits[si], self.temps[sr], self.top_k[sr], self.top_p[sr])  # (S, W)
-        uniforms = torch.cat([draw_uniforms(self.requests[rows[i]].generator).cpu() for i in sampled])  # (S,)
-        w[si] = sample_with_uniforms(probs, uniforms)
+        w[si], probs = self.sample(logits[si], [rows[i] for i in sampled])
         return w, sampled, probs
+
+    def sample(self, logits: torch.Tensor, rows: list[int]  # (S, W) logits of sampled requests ``rows``
+               ) -> tuple[torch.Tensor, torch.Tensor]:  # (S,) draft indices, (S, W) the distributions drawn from
+        """Sampled rows only: each row's processed distribution, then one uniform per request from its generator,
+        in the order of ``rows``."""
+        sr = torch.tensor(rows)  # (S,)
+        probs = logits_to_probs_rows(logits, self.temps[sr], self.top_k[sr], self.top_p[sr])  # (S, W)
+        uniforms = torch.cat([draw_uniforms(self.requests[r].generator).cpu() for r in rows])  # (S,)
+        return sample_with_uniforms(probs, uniforms), probs

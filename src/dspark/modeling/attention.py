@@ -309,6 +309,24 @@ def plan_kernel_attention(seq_lens: list[int], caches: list[KVCache] | None, dev
     return parts
 
 
+def plan_forward(
+    seq_lens: list[int], caches: list[KVCache] | None, device: torch.device, *, per_request: bool = False,
+    kernel: bool = False, prompt_from: int | None = None,
+) -> tuple[list[AttentionPart] | None, BatchLayout]:
+    """A forward's attention plan and the layout its positions come from: no parts (``per_request``, or caches of
+    different pools: each request attends alone, ``decoder.attend_per_request``), the C kernel's plan
+    (``kernel``: ``plan_kernel_attention`` with ``prompt_from``), else ``plan_attention``'s."""
+    if per_request or (caches is not None and any(c.pool is not caches[0].pool for c in caches)):
+        parts = None
+    elif kernel:
+        parts = plan_kernel_attention(seq_lens, caches, device, prompt_from)
+    else:
+        parts = plan_attention(seq_lens, caches, device)
+    whole = parts is not None and parts[0].tokens is None  # a part holding every request has the positions already
+    layout = parts[0].layout if whole else BatchLayout.build(seq_lens, caches, device, pooled=False)
+    return parts, layout
+
+
 def attend_parts(
     parts: list[AttentionPart], layer_idx: int,
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # (N, Hq, D), (N, Hkv, D) x2

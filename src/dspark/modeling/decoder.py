@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from dspark.modeling import cpu_kernels, packed
-from dspark.modeling.attention import BatchLayout, attend_parts, plan_attention, plan_kernel_attention
+from dspark.modeling.attention import BatchLayout, attend_parts, plan_forward
 from dspark.modeling.kv_cache import KVCache, KVPool
 from dspark.modeling.layers import DecoderLayer, RMSNorm, Rope
 from dspark.modeling.spec import DecoderSpec
@@ -100,20 +100,11 @@ class Decoder(nn.Module):
         if caches is not None:
             for cache, n in zip(caches, seq_lens):
                 cache.reserve(n)  # may grow the pool: before any layer reads it
-        per_request = self.attention == "per-request" or (
-            caches is not None and any(c.pool is not caches[0].pool for c in caches))
         fused = (self.cpu_kernels and self.embed_tokens.weight.dtype == torch.bfloat16
                  and input_ids.device.type == "cpu" and not torch.is_grad_enabled())
-        kernel = fused and not per_request and self.attention_kernel  # every request's attention in one C call
-        if per_request:
-            parts = None
-        elif kernel:  # decoding rows through the C kernel; prompt pieces too or through SDPA (prompts_to_kernel)
-            parts = plan_kernel_attention(seq_lens, caches, input_ids.device, prompt_from)
-        else:
-            parts = plan_attention(seq_lens, caches, input_ids.device)
-        # positions for all (a part holding every request has them already)
-        whole = parts is not None and parts[0].tokens is None
-        layout = parts[0].layout if whole else BatchLayout.build(seq_lens, caches, input_ids.device, pooled=False)
+        # decoding rows through the C kernel when fused; prompt pieces too or through SDPA (prompts_to_kernel)
+        parts, layout = plan_forward(seq_lens, caches, input_ids.device, per_request=self.attention == "per-request",
+                                     kernel=fused and self.attention_kernel, prompt_from=prompt_from)
         positions = layout.positions  # (N,)
         N = input_ids.shape[0]
         pad = self.batch_invariant and N == 1  # the dense layers see the row repeated, attention the real one
@@ -136,7 +127,7 @@ class Decoder(nn.Module):
                 q, k, v = layer.pre_attention(x, rope.for_layer(attn, x.dtype))  # (N, Hq, D), (N, Hkv, D) x2
             if pad:
                 q, k, v = q[:N], k[:N], v[:N]
-            if per_request:
+            if parts is None:  # each request alone
                 attn_out = attend_per_request(attn, layer_idx, q, k, v, layout, caches)
             else:
                 attn_out = attend_parts(parts, layer_idx, q, k, v, attn.scale, attn.window, attn.softcap)

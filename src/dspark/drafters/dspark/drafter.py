@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from dspark.drafters.base import DraftBlock, RequestState
+from dspark.drafters.draft_sampler import DraftSampler
 from dspark.drafters.draft_vocab import load_draft_vocab
 from dspark.drafters.dspark.model import DSparkModel
 from dspark.drafters.dspark.vocab import restrict_to_draft_vocab
@@ -42,7 +43,6 @@ from dspark.modeling.attention import BatchLayout
 from dspark.modeling.kv_cache import KVCache, KVPool
 from dspark.modeling.layers import Rope
 from dspark.modeling.packed import pack_all_linears
-from dspark.sampling.processing import draw_uniforms, logits_to_probs_rows, sample_with_uniforms
 
 
 class DSparkDrafter:
@@ -160,10 +160,8 @@ class DSparkDrafter:
         prev = torch.tensor([req.anchor for req in requests], dtype=torch.long, device=dev)  # x_{-1} = anchor
         # cand None without a top-M head (DFlash has none: its head_top_m is None): every slot drafts over all W
         base, cand = self._base_logits(hidden[:, :K].reshape(R * K, -1), R, K)  # (R, K, W), (R, K, M) or None
-        settings = torch.tensor([[r.sampling.temperature, r.sampling.top_k, r.sampling.top_p] for r in requests],
-                                dtype=torch.float64)  # (R, 3)
-        temps, top_k, top_p = settings[:, 0].float(), settings[:, 1].long(), settings[:, 2].float()  # (R,) each
-        greedy = [r.sampling.greedy for r in requests]
+        sampler = DraftSampler(requests)
+        greedy = sampler.greedy
         state, prevs = None, []  # prevs[k]: (R,) x_{k-1} of every request
         for k in range(K):
             prevs.append(prev)
@@ -184,9 +182,7 @@ class DSparkDrafter:
                 sr = torch.tensor([act[i] for i in si], device=dev)  # (S,)
                 logits = scores[sr] if cand is None else torch.full_like(base[sr, k], float("-inf")).scatter_(
                     -1, cand[sr, k], scores[sr])  # (S, W)
-                probs = logits_to_probs_rows(logits, temps[sr], top_k[sr], top_p[sr])  # (S, W)
-                uniforms = torch.cat([draw_uniforms(requests[act[i]].generator).cpu() for i in si])  # (S,)
-                w[torch.tensor(si, device=dev)] = sample_with_uniforms(probs, uniforms)
+                w[torch.tensor(si, device=dev)], probs = sampler.sample(logits, [act[i] for i in si])  # (S,), (S, W)
                 draft_probs[sr, k] = probs.to(draft_probs.dtype)  # the distribution sampled from, over V or W
             rows = slice(None) if len(act) == R else torch.tensor(act, device=dev)  # (A,)
             tok = w if vocab is None else vocab[w]

@@ -60,7 +60,7 @@ from dspark.drafters.eagle3.config import Eagle3Config
 from dspark.drafters.sample import TrainSample
 from dspark.errors import IncompatibleModelsError, ModelLoadError
 from dspark.modeling import cpu_kernels
-from dspark.modeling.attention import BatchLayout, attend_parts, plan_attention, plan_kernel_attention
+from dspark.modeling.attention import attend_parts, plan_forward
 from dspark.modeling.decoder import attend_per_request
 from dspark.modeling.kv_cache import KVCache, KVPool
 from dspark.modeling.layers import MLP, Attention, RMSNorm
@@ -352,23 +352,15 @@ class Eagle3Model(nn.Module):
     ) -> torch.Tensor:  # (N, H)
         """Causal forward of new entries appended to each request's draft cache (positions = cache index). Caches
         of one pool (``new_cache``'s) are attended in one call per layer for the whole batch, long catch-up pieces
-        on their own (``plan_attention``), or, for bf16 decoding on the CPU where the C attention kernel takes the
+        on their own (``attention.plan_forward``), or, for bf16 decoding on the CPU where the C attention kernel takes the
         heads, every row in one kernel call (``cpu_kernels.attention``: each row computed alone, as the target's
         decoding rows); caches of different pools request by request."""
         for c, n in zip(caches, seq_lens):
             c.reserve(n)  # may grow the pool: before any layer reads it
         dev = ids.device
-        per_request = any(c.pool is not caches[0].pool for c in caches)
         kernel = (dev.type == "cpu" and self.fc.weight.dtype == torch.bfloat16 and not torch.is_grad_enabled()
                   and cpu_kernels.attention_fits(self.layers[0].self_attn))
-        if per_request:
-            parts = None
-        elif kernel:
-            parts = plan_kernel_attention(seq_lens, caches, dev)
-        else:
-            parts = plan_attention(seq_lens, caches, dev)
-        whole = parts is not None and parts[0].tokens is None
-        layout = parts[0].layout if whole else BatchLayout.build(seq_lens, caches, dev, pooled=False)
+        parts, layout = plan_forward(seq_lens, caches, dev, kernel=kernel)
 
         def attend(layer_idx, q, k, v):
             attn = self.layers[layer_idx].self_attn
