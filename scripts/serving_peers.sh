@@ -65,14 +65,23 @@ MAXC=$(tr ',' '\n' <<<"$CONCURRENCY" | sort -n | tail -1)
 BASE=http://127.0.0.1:$PORT
 REPORT=(env PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" "$PY" scripts/serving_peers_report.py)
 
-# the command as run: the parameters that differ from the full run's, then the script; smoke when any does
+# whether a load parameter K=V is smaller than the full run's FULL: fewer requests or tokens, a level left out
+smaller() {
+  case $1 in
+    NUM_REQUESTS|MAX_TOKENS) [ "$2" -lt "$3" ] ;;
+    CONCURRENCY) local c; for c in ${3//,/ }; do case ",$2," in *",$c,"*) ;; *) return 0 ;; esac; done; return 1 ;;
+    *) return 1 ;;
+  esac
+}
+# the command as run: the parameters that differ from the full run's, then the script; a smoke run when the load is
+# smaller than the full run's (a subset of the rows, more requests or more levels are still a result)
 COMMAND="bash scripts/serving_peers.sh" SMOKE=()
 for kv in "${DEFAULTS[@]}"; do
   k=${kv%%=*} full=${kv#*=} v=${!k}
   [ "$k" = ROWS ] && [ "$v" = "$DEFAULT_ROWS" ] && v=all
-  if [ "$v" != "$full" ]; then  # a subset of the rows is still a result; a smaller load is a smoke run
+  if [ "$v" != "$full" ]; then
     COMMAND="$k=$v $COMMAND"
-    [ "$k" = ROWS ] || SMOKE=(--smoke)
+    smaller "$k" "$v" "$full" && SMOKE=(--smoke)
   fi
 done
 # DSPARK_PROMPT_ATTENTION (kernel|sdpa, inherited by the dspark servers): where prompt pieces attend (docs/architecture.md)

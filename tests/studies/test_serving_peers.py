@@ -111,3 +111,34 @@ def test_no_figure_without_a_measured_point(tmp_path):
     assert [p.name for p in paths] == ["peers.md", "peers.json"]
     text = paths[0].read_text()
     assert "peers.png" not in text and "- `vllm-plain` (failed): the server exited" in text
+
+
+def test_per_user_speed_against_fixed1_at_matched_throughput(tmp_path):
+    # fixed:1's curve: (60, 60) -> (150, 40) -> (220, 16); its 32-client point (210) no longer rises: cut there
+    _measured(tmp_path, "dspark-fixed1", "dspark",
+              [_point(1, 60.0, 60.0, 1.5), _point(4, 150.0, 40.0, 1.5), _point(16, 220.0, 16.0, 1.5),
+               _point(32, 210.0, 8.0, 1.5)])
+    _measured(tmp_path, "dspark-async", "dspark",
+              [_point(1, 75.0, 80.0, 1.9), _point(4, 165.0, 45.0, 1.2), _point(16, 215.0, 21.0, 1.1),
+               _point(32, 280.0, 10.0, 1.0)])
+    _measured(tmp_path, "vllm-plain", "vllm", [_point(1, 50.0, 52.0)])
+    paths = write_peers(tmp_path, tmp_path / "out", CONFIG, "c", "c", smoke=False)
+    saved = json.loads(paths[1].read_text())["matched_fixed1"]
+    assert [m["row"] for m in saved] == ["dspark-async"] * 4  # neither fixed:1 itself nor a vLLM row
+    # 75 tok/s lies between fixed:1's 60 and 150: 60 - 20 * 15 / 90; 165 between 150 and 220: 40 - 24 * 15 / 70
+    expected = [60 - 20 * 15 / 90, 40 - 24 * 15 / 70, 40 - 24 * 65 / 70, None]  # 280 is past 220: not extrapolated
+    assert [m["fixed1_user_tokens_per_s"] for m in saved] == [pytest.approx(e) if e else None for e in expected]
+    assert saved[0]["ratio"] == pytest.approx(80 / expected[0]) and saved[3]["ratio"] is None
+    text = paths[0].read_text()
+    section = text[text.index("Per-user speed at matched throughput"):]
+    rows = [[c.strip() for c in ln.strip("|").split("|")] for ln in section.splitlines()
+            if ln.startswith("| dspark") and "`serve" not in ln]  # not the servers' table
+    assert [(r[1], r[5]) for r in rows] == [("1", f"{80 / expected[0]:.2f}x"), ("4", f"{45 / expected[1]:.2f}x"),
+                                            ("16", f"{21 / expected[2]:.2f}x"), ("32", "–")]
+
+
+def test_no_matched_section_without_a_fixed1_row(tmp_path):
+    _measured(tmp_path, "dspark-async", "dspark", [_point(1, 75.0, 80.0, 1.9)])
+    paths = write_peers(tmp_path, tmp_path / "out", CONFIG, "c", "c", smoke=False)
+    assert "matched throughput" not in paths[0].read_text()
+    assert json.loads(paths[1].read_text())["matched_fixed1"] == []

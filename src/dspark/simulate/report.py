@@ -39,29 +39,31 @@ def sweep(policies: Sequence[str], loads: Sequence[float], stats: DrafterStats, 
     return rows
 
 
-def _curve(rows: Sequence[Mapping], policy: str) -> tuple[np.ndarray, np.ndarray]:
-    """(throughput, per-user speed) of one policy in load order, cut where throughput stops rising."""
+def _curve(rows: Sequence[Mapping], policy: str) -> tuple[np.ndarray, np.ndarray, list]:
+    """(throughput, per-user speed, load) of one policy in load order, cut where throughput stops rising."""
     group = sorted((r for r in rows if r["policy"] == policy), key=lambda r: r["concurrency"])
-    xs, ys = [], []
+    xs, ys, loads = [], [], []
     for r in group:
         if xs and r["total_tokens_per_s"] <= xs[-1]:
             break
         xs.append(r["total_tokens_per_s"])
         ys.append(r["user_tokens_per_s"])
-    return np.array(xs), np.array(ys)
+        loads.append(r["concurrency"])
+    return np.array(xs), np.array(ys), loads
 
 
 def matched_throughput(rows: Sequence[Mapping], policy: str, baseline: str) -> list[dict]:
     """Per-user speed of ``policy`` over ``baseline`` at the baseline's throughputs (linear interpolation
-    along ``policy``'s curve); points outside ``policy``'s throughput range are skipped."""
-    px, py = _curve(rows, policy)
-    bx, by = _curve(rows, baseline)
+    along ``policy``'s curve); points outside ``policy``'s throughput range are skipped. ``load``: the baseline
+    point's."""
+    px, py, _ = _curve(rows, policy)
+    bx, by, loads = _curve(rows, baseline)
     out = []
-    for x, y in zip(bx, by):
+    for x, y, load in zip(bx, by, loads):
         if len(px) and px[0] <= x <= px[-1]:
             speed = float(np.interp(x, px, py))
             out.append({"throughput": float(x), "baseline_user_speed": float(y), "user_speed": speed,
-                        "ratio": speed / y if y else None})
+                        "ratio": speed / y if y else None, "load": load})
     return out
 
 

@@ -5,7 +5,8 @@ with `dspark bench serve --url` into ``WORK/<row>/serve_load.json`` and notes th
 (``note_row``: the server's command, how long it took to answer /health, the load average when the row
 started and ended, or why the row was skipped or failed). ``write_peers`` joins the two into one table
 (Markdown + JSON) and one throughput-vs-per-user-speed figure. Every ratio is against the vLLM plain row
-of the same run at the same number of clients.
+of the same run at the same number of clients; ``matched_to_fixed1`` adds the drafting rows' per-user speed against
+`dspark-fixed1` at the same total throughput (the issue's goal is stated at matched throughput).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dspark.tables import DASH, fmt, markdown_table
 
 ROWS_FILE = "rows.jsonl"
 BASELINE = "vllm-plain"  # the row every ratio is against
+FIXED1 = "dspark-fixed1"  # the length-1 baseline of the matched-throughput comparison
 #: a 1-minute load average at or above this, when a row started, means other work shared the CPUs
 BUSY_LOAD = 0.5
 
@@ -65,6 +67,48 @@ def add_ratios(rows: list[dict]) -> None:
             b = by_c.get(p["concurrency"])
             for key, ratio in (("total_tokens_per_s", "total_vs_baseline"), ("user_tokens_per_s", "user_vs_baseline")):
                 p[ratio] = p[key] / b[key] if b and b[key] and p["requests"] else None
+
+
+def matched_to_fixed1(rows: Sequence[dict]) -> list[dict]:
+    """Every point of each measured dspark row but ``FIXED1`` with ``FIXED1``'s per-user speed at the same total
+    throughput (``fixed1_user_tokens_per_s``, linear between the two measured ``FIXED1`` points around it along its
+    curve: ``dspark.simulate.report.matched_throughput``) and ``ratio`` = the row's per-user speed over it; both None
+    where the row's throughput lies outside ``FIXED1``'s measured range (nothing is extrapolated). [] without a
+    measured ``FIXED1`` row."""
+    from dspark.simulate.report import matched_throughput
+
+    if not any(r["name"] == FIXED1 and r["points"] for r in rows):
+        return []
+    points = [{**p, "policy": r["name"]} for r in rows for p in r["points"] if p["requests"]]
+    out = []
+    for r in rows:
+        if r["engine"] != "dspark" or r["name"] == FIXED1 or not r["points"]:
+            continue
+        at = {m["load"]: m for m in matched_throughput(points, FIXED1, r["name"])}
+        for p in r["points"]:
+            if not p["requests"]:
+                continue
+            m = at.get(p["concurrency"])
+            out.append({"row": r["name"], "concurrency": p["concurrency"], "total_tokens_per_s": p["total_tokens_per_s"],
+                        "user_tokens_per_s": p["user_tokens_per_s"],
+                        "fixed1_user_tokens_per_s": m["user_speed"] if m else None,
+                        "ratio": p["user_tokens_per_s"] / m["user_speed"] if m and m["user_speed"] else None})
+    return out
+
+
+def matched_markdown(matched: Sequence[dict]) -> list[str]:
+    """The matched-throughput section of the page (nothing without matched points)."""
+    if not matched:
+        return []
+    table = [[m["row"], str(m["concurrency"]), fmt(m["total_tokens_per_s"], 1), fmt(m["user_tokens_per_s"], 1),
+              fmt(m["fixed1_user_tokens_per_s"], 1), _ratio(m["ratio"])] for m in matched]
+    return [f"Per-user speed at matched throughput, against `{FIXED1}`: at each point of a row, `{FIXED1}`'s per-user "
+            "speed at the same total throughput, linear between its two measured points around it on its curve "
+            f"(clients ascending; – where the row's throughput is outside `{FIXED1}`'s measured range, nothing is "
+            "extrapolated). A row ahead in throughput at the same clients is compared with `fixed:1` at more "
+            "clients, where its per-user speed is lower: the paper's comparison (its Figure 7).", "",
+            *markdown_table(["row", "clients", "total tok/s", "per-user tok/s",
+                             f"`{FIXED1}` per-user at that total", "per-user vs it"], table), ""]
 
 
 def _ratio(x: float | None) -> str:
@@ -125,6 +169,7 @@ def peers_markdown(rows: list[dict], config: dict, command: str, full_command: s
     body.append("")
     if any(p["requests"] for r in rows for p in r["points"]):  # write_peers draws the figure from these
         body += [f"![throughput against per-user speed]({figure})", ""]
+    body += matched_markdown(matched_to_fixed1(rows))
     missing = [r for r in rows if r["status"] != "measured"]
     if missing:
         body += ["Rows not measured:", ""]
@@ -149,7 +194,8 @@ def write_peers(work: str | Path, out_dir: str | Path, config: dict, command: st
     paths = [out / "peers.md", out / "peers.json"]
     paths[0].write_text(text)
     paths[1].write_text(json.dumps({"command": command, "full_command": full_command, "smoke": smoke,
-                                    "config": config, "rows": rows}, indent=2) + "\n")
+                                    "config": config, "rows": rows, "matched_fixed1": matched_to_fixed1(rows)},
+                                   indent=2) + "\n")
     points = [{**p, "policy": r["name"]} for r in rows for p in r["points"] if p["requests"]]
     if points:
         title = "Peers, same load" + (" (smoke run, not a result)" if smoke else "")
