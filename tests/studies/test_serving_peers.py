@@ -122,8 +122,14 @@ def test_per_user_speed_against_fixed1_at_matched_throughput(tmp_path):
               [_point(1, 75.0, 80.0, 1.9), _point(4, 165.0, 45.0, 1.2), _point(16, 215.0, 21.0, 1.1),
                _point(32, 280.0, 10.0, 1.0)])
     _measured(tmp_path, "vllm-plain", "vllm", [_point(1, 50.0, 52.0)])
+    # a row whose throughput falls back at its last level: that point is still matched on fixed:1's curve
+    _measured(tmp_path, "dspark-plain", "dspark", [_point(1, 100.0, 50.0, 1.0), _point(4, 90.0, 30.0, 1.0)])
     paths = write_peers(tmp_path, tmp_path / "out", CONFIG, "c", "c", smoke=False)
     saved = json.loads(paths[1].read_text())["matched_fixed1"]
+    plain = [m for m in saved if m["row"] == "dspark-plain"]
+    assert [m["fixed1_user_tokens_per_s"] for m in plain] == [pytest.approx(60 - 20 * 40 / 90),
+                                                             pytest.approx(60 - 20 * 30 / 90)]
+    saved = [m for m in saved if m["row"] != "dspark-plain"]
     assert [m["row"] for m in saved] == ["dspark-async"] * 4  # neither fixed:1 itself nor a vLLM row
     # 75 tok/s lies between fixed:1's 60 and 150: 60 - 20 * 15 / 90; 165 between 150 and 220: 40 - 24 * 15 / 70
     expected = [60 - 20 * 15 / 90, 40 - 24 * 15 / 70, 40 - 24 * 65 / 70, None]  # 280 is past 220: not extrapolated
@@ -132,7 +138,7 @@ def test_per_user_speed_against_fixed1_at_matched_throughput(tmp_path):
     text = paths[0].read_text()
     section = text[text.index("Per-user speed at matched throughput"):]
     rows = [[c.strip() for c in ln.strip("|").split("|")] for ln in section.splitlines()
-            if ln.startswith("| dspark") and "`serve" not in ln]  # not the servers' table
+            if ln.startswith("| dspark-async") and "`serve" not in ln]  # not the servers' table
     assert [(r[1], r[5]) for r in rows] == [("1", f"{80 / expected[0]:.2f}x"), ("4", f"{45 / expected[1]:.2f}x"),
                                             ("16", f"{21 / expected[2]:.2f}x"), ("32", "–")]
 

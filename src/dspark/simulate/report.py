@@ -39,31 +39,34 @@ def sweep(policies: Sequence[str], loads: Sequence[float], stats: DrafterStats, 
     return rows
 
 
-def _curve(rows: Sequence[Mapping], policy: str) -> tuple[np.ndarray, np.ndarray, list]:
-    """(throughput, per-user speed, load) of one policy in load order, cut where throughput stops rising."""
+def _curve(rows: Sequence[Mapping], policy: str) -> tuple[np.ndarray, np.ndarray]:
+    """(throughput, per-user speed) of one policy in load order, cut where throughput stops rising."""
     group = sorted((r for r in rows if r["policy"] == policy), key=lambda r: r["concurrency"])
-    xs, ys, loads = [], [], []
+    xs, ys = [], []
     for r in group:
         if xs and r["total_tokens_per_s"] <= xs[-1]:
             break
         xs.append(r["total_tokens_per_s"])
         ys.append(r["user_tokens_per_s"])
-        loads.append(r["concurrency"])
-    return np.array(xs), np.array(ys), loads
+    return np.array(xs), np.array(ys)
+
+
+def user_speed_at(rows: Sequence[Mapping], policy: str, throughput: float) -> float | None:
+    """``policy``'s per-user speed at ``throughput`` total tokens/s: linear along its curve between the two points
+    around it; None outside the curve's throughput range (nothing is extrapolated)."""
+    px, py = _curve(rows, policy)
+    return float(np.interp(throughput, px, py)) if len(px) and px[0] <= throughput <= px[-1] else None
 
 
 def matched_throughput(rows: Sequence[Mapping], policy: str, baseline: str) -> list[dict]:
-    """Per-user speed of ``policy`` over ``baseline`` at the baseline's throughputs (linear interpolation
-    along ``policy``'s curve); points outside ``policy``'s throughput range are skipped. ``load``: the baseline
-    point's."""
-    px, py, _ = _curve(rows, policy)
-    bx, by, loads = _curve(rows, baseline)
+    """Per-user speed of ``policy`` over ``baseline`` at the baseline's throughputs (``user_speed_at``); points
+    outside ``policy``'s throughput range are skipped."""
     out = []
-    for x, y, load in zip(bx, by, loads):
-        if len(px) and px[0] <= x <= px[-1]:
-            speed = float(np.interp(x, px, py))
+    for x, y in zip(*_curve(rows, baseline)):
+        speed = user_speed_at(rows, policy, x)
+        if speed is not None:
             out.append({"throughput": float(x), "baseline_user_speed": float(y), "user_speed": speed,
-                        "ratio": speed / y if y else None, "load": load})
+                        "ratio": speed / y if y else None})
     return out
 
 

@@ -72,27 +72,25 @@ def add_ratios(rows: list[dict]) -> None:
 def matched_to_fixed1(rows: Sequence[dict]) -> list[dict]:
     """Every point of each measured dspark row but ``FIXED1`` with ``FIXED1``'s per-user speed at the same total
     throughput (``fixed1_user_tokens_per_s``, linear between the two measured ``FIXED1`` points around it along its
-    curve: ``dspark.simulate.report.matched_throughput``) and ``ratio`` = the row's per-user speed over it; both None
+    curve: ``dspark.simulate.report.user_speed_at``) and ``ratio`` = the row's per-user speed over it; both None
     where the row's throughput lies outside ``FIXED1``'s measured range (nothing is extrapolated). [] without a
     measured ``FIXED1`` row."""
-    from dspark.simulate.report import matched_throughput
+    from dspark.simulate.report import user_speed_at
 
     if not any(r["name"] == FIXED1 and r["points"] for r in rows):
         return []
     points = [{**p, "policy": r["name"]} for r in rows for p in r["points"] if p["requests"]]
     out = []
     for r in rows:
-        if r["engine"] != "dspark" or r["name"] == FIXED1 or not r["points"]:
+        if r["engine"] != "dspark" or r["name"] == FIXED1:
             continue
-        at = {m["load"]: m for m in matched_throughput(points, FIXED1, r["name"])}
         for p in r["points"]:
             if not p["requests"]:
                 continue
-            m = at.get(p["concurrency"])
+            fixed1 = user_speed_at(points, FIXED1, p["total_tokens_per_s"])
             out.append({"row": r["name"], "concurrency": p["concurrency"], "total_tokens_per_s": p["total_tokens_per_s"],
-                        "user_tokens_per_s": p["user_tokens_per_s"],
-                        "fixed1_user_tokens_per_s": m["user_speed"] if m else None,
-                        "ratio": p["user_tokens_per_s"] / m["user_speed"] if m and m["user_speed"] else None})
+                        "user_tokens_per_s": p["user_tokens_per_s"], "fixed1_user_tokens_per_s": fixed1,
+                        "ratio": p["user_tokens_per_s"] / fixed1 if fixed1 else None})
     return out
 
 
