@@ -1,8 +1,10 @@
 """What a new prompt length costs in native memory: the heap in use after target forwards of many distinct
-row counts, with ideep's computation cache (LRU_CACHE_CAPACITY) at a given capacity.
+row counts, with ideep's computation cache (LRU_CACHE_CAPACITY) and oneDNN's primitive cache
+(ONEDNN_PRIMITIVE_CACHE_CAPACITY) at given capacities.
 
     PYTHONPATH=src python scripts/native_growth.py --ideep-capacity 1024   # ideep's default
     PYTHONPATH=src python scripts/native_growth.py --ideep-capacity 64     # dspark serve's (serving.memory)
+    PYTHONPATH=src python scripts/native_growth.py --ideep-capacity 64 --onednn-capacity 1024  # oneDNN's default
 
 Forwards of N = 1, 4, ..., 238 tokens (80 row counts), the same 80 again, then 80 new ones (2, 5, ...,
 239), on SmolLM2-135M in bfloat16 in the decoding layout (prepacked linears), one thread. Prints glibc's
@@ -24,16 +26,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ideep-capacity", type=int, required=True)
+    p.add_argument("--onednn-capacity", type=int, default=None,
+                   help="oneDNN's primitive cache capacity (default: dspark serve's, serving.memory)")
     p.add_argument("--target", default="smollm2-135m")
     args = p.parse_args()
     os.environ["LRU_CACHE_CAPACITY"] = str(args.ideep_capacity)  # before the first matmul reads it
+    if args.onednn_capacity is not None:
+        os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = str(args.onednn_capacity)
     from dspark.serving.memory import cap_onednn_cache, tune_malloc
 
     cap_onednn_cache()
     tune_malloc()
     import torch
 
-    from dspark.drafters.options import load_decoding_target
+    from dspark.target.loading import load_decoding_target
     from soak_probe import _mallinfo, _status
 
     torch.set_num_threads(1)
@@ -50,7 +56,8 @@ def main() -> None:
     def report(what: str, seconds: float | None = None) -> None:
         m = _mallinfo()
         took = f", {seconds:.1f} s" if seconds is not None else ""
-        print(f"LRU_CACHE_CAPACITY={args.ideep_capacity:5d} {what:28s} heap in use {m['in_use_mib']:6.0f} MiB, "
+        print(f"LRU_CACHE_CAPACITY={args.ideep_capacity:5d} ONEDNN_PRIMITIVE_CACHE_CAPACITY="
+              f"{os.environ['ONEDNN_PRIMITIVE_CACHE_CAPACITY']:>5s} {what:28s} heap in use {m['in_use_mib']:6.0f} MiB, "
               f"VmRSS {_status()['VmRSS'] / 1024:6.0f} MiB{took}", flush=True)
 
     forwards([5, 5])

@@ -293,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     from dspark.data.prompts import build_prompt_set
     from dspark.data.regenerate import regenerate
     from dspark.data.regenerate_http import regenerate_over_http
-    from dspark.drafters.options import load_decoding_target
+    from dspark.target.loading import load_decoding_target
     from dspark.target.convert import resolve_model_path
 
     torch.set_num_threads(args.threads)

@@ -66,7 +66,7 @@ def in_process_answer(target_dir: str, max_tokens: int) -> str:
     import torch
 
     from dspark.data.regenerate_engine import decode_reply
-    from dspark.drafters.options import load_decoding_target
+    from dspark.target.loading import load_decoding_target
     from dspark.generation.generator import SpeculativeGenerator
     from dspark.sampling.processing import SamplingParams
 

@@ -279,11 +279,15 @@ def test_client_disconnect_frees_the_slot(server):
 
 def test_load_generator_and_report(server, tmp_path):
     prompts = ["Count from one to ten.", "Name three colours.", "What is two plus two?"]
+    drafted = server.engine.stats().drafted_steps
     row = run_point(server.url, prompts, concurrency=2, num_requests=3, max_tokens=6, temperature=0.0,
                     policy="alg1", api_key=KEY)
+    drafted = server.engine.stats().drafted_steps - drafted  # prompt lookup drafts where the context repeats itself
     assert row["requests"] == 3 and row["errors"] == 0
     assert row["total_tokens_per_s"] > 0 and row["user_tokens_per_s"] > 0
     assert row["acceptance_length"] >= 1.0 and row["avg_verify_len"] is not None
+    assert row["verify_ms"] > 0  # the engine's timings of the point, from /metrics
+    assert (row["draft_ms"] > 0) if drafted else (row["draft_ms"] is None)
     observed = server.engine.step_times.table("verify")  # what the engine saw during the point
     meta = {"config": {"target": MODEL}, "observed_verify_sps": observed.to_dict(), "observed_prefill_sps": None}
     paths = write_report([row, {**row, "concurrency": 1}], meta, tmp_path, "dspark bench serve")

@@ -33,7 +33,8 @@ def _table(text: str) -> list[list[str]]:
 
 def test_ratios_against_vllm_plain_at_the_same_clients(tmp_path):
     _measured(tmp_path, "vllm-plain", "vllm", [_point(1, 20.0, 25.0), _point(4, 80.0, 20.0)])
-    _measured(tmp_path, "dspark-plain", "dspark", [_point(1, 30.0, 20.0, 1.0), _point(4, 40.0, 10.0, 1.0)])
+    _measured(tmp_path, "dspark-plain", "dspark", [{**_point(1, 30.0, 20.0, 1.0), "draft_ms": 2.46, "verify_ms": 14.04},
+                                                   _point(4, 40.0, 10.0, 1.0)])
     note_row(tmp_path, {"name": "vllm-eagle3", "engine": "vllm", "method": "eagle3", "status": "skipped",
                         "reason": "no Eagle3 checkpoint"})
     paths = write_peers(tmp_path, tmp_path / "out", CONFIG, "bash scripts/serving_peers.sh", "bash scripts/serving_peers.sh",
@@ -49,7 +50,8 @@ def test_ratios_against_vllm_plain_at_the_same_clients(tmp_path):
     assert [(r[6], r[8]) for r in rows[2:]] == [("1.50x", "0.80x"), ("0.50x", "0.50x")]
     assert [(r[6], r[8]) for r in rows[:2]] == [("1.00x", "1.00x")] * 2
     assert rows[0][9] == "–" and rows[2][9] == "1.00"  # vLLM plain has no tau
-    assert rows[0][11] == "0.10 -> 0.30"
+    assert rows[2][10:12] == ["2.5", "14.0"] and rows[0][10:12] == ["–", "–"]  # the engine's timings, dspark only
+    assert rows[0][13] == "0.10 -> 0.30"
     assert "- `vllm-eagle3` (skipped): no Eagle3 checkpoint" in text
     saved = json.loads(paths[1].read_text())
     assert saved["rows"][1]["points"][0]["total_vs_baseline"] == pytest.approx(1.5)

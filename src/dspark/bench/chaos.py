@@ -397,7 +397,7 @@ def limits_section() -> list[str]:
         "and the process exits 0. Tested against a real `dspark serve` in `tests/serving/test_shutdown.py`; "
         "the Soak section times it.", "",
         "Memory (`serving/memory.py`, `--malloc-tuning`, on by default): oneDNN's primitive cache (a compiled"
-        " kernel with its buffers per new matmul shape, 1,024 by default) capped at 16 and ideep's "
+        " kernel with its buffers per new matmul shape, 1,024 by default) capped at 256 and ideep's "
         'computation cache in front of it (`LRU_CACHE_CAPACITY`, 1,024 by default; "What grew" below) capped '
         "at 64, two malloc arenas, and `malloc_trim` every 64 requests; the objects alive after start-up are "
         "frozen out of the garbage collector (`gc.freeze`); the Soak section measures RSS with them. glibc's "

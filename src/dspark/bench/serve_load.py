@@ -151,8 +151,8 @@ def run_point(base_url: str, prompts: list[str], concurrency: int, num_requests:
                                             temperature, model, api_key, time_limit_s, seed))
     after = scrape_metrics(base_url, api_key)
 
-    def delta(name: str) -> float:
-        return metric_sum(after, name) - metric_sum(before, name)
+    def delta(name: str, **labels: str) -> float:
+        return metric_sum(after, name, **labels) - metric_sum(before, name, **labels)
 
     ok = [r for r in records if r.ok]
     request_steps = delta("dspark_request_steps_total")
@@ -162,6 +162,7 @@ def run_point(base_url: str, prompts: list[str], concurrency: int, num_requests:
         request_steps = delta("vllm:spec_decode_num_drafts_total")
         verified = delta("vllm:spec_decode_num_draft_tokens_total")
         committed = request_steps + delta("vllm:spec_decode_num_accepted_tokens_total")  # + 1 bonus per draft
+    drafted = delta("dspark_drafted_steps_total")
     tokens = sum(r.completion_tokens for r in ok)
     ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
     return {
@@ -179,6 +180,10 @@ def run_point(base_url: str, prompts: list[str], concurrency: int, num_requests:
         "avg_verify_len": verified / request_steps if request_steps else None,
         "acceptance_length": committed / request_steps if request_steps else None,
         "avg_batch_size": request_steps / steps if steps else None,
+        # the engine's own timings (dspark only): the drafter's time per step that drafted; the verify pass and the
+        # host work around it per step (prompt pieces that ride in the pass included)
+        "draft_ms": 1000 * delta("dspark_step_seconds_total", phase="draft") / drafted if drafted else None,
+        "verify_ms": 1000 * delta("dspark_step_seconds_total", phase="verify") / steps if steps else None,
     }
 
 

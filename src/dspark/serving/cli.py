@@ -92,7 +92,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
                    help="close a connection whose request head has not arrived S seconds after it opened or "
                    "after its last response (slowloris) (default: %(default)s)")
     p.add_argument("--malloc-tuning", action=argparse.BooleanOptionalAction, default=True,
-                   help="memory settings for a long run: oneDNN's kernel cache capped at 16 shapes and ideep's at "
+                   help="memory settings for a long run: oneDNN's kernel cache capped at 256 shapes and ideep's at "
                    "64, and glibc "
                    "with 2 arenas and free heap pages returned every 64 requests, which lower RSS over a long run "
                    "(docs/reports/reliability.md, Soak); glibc's mmap/trim thresholds stay dynamic (fixed low they "

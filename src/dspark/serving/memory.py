@@ -9,8 +9,11 @@ RSS can rise in steps with the mix of request sizes and not come back.
 The growers are the kernel caches of bf16 matmuls on CPU. A server sees a new row count with almost
 every new prompt length and batch, and each new (rows, weight) shape compiles new kernels that stay:
 
-- oneDNN's primitive cache (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``, 1,024 by default): capped at 16, RSS
-  225 MiB lower at 1,000 soak requests (docs/reports/reliability.md);
+- oneDNN's primitive cache (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``, 1,024 by default): capped at 256, about 0.3
+  MiB of heap per primitive, so at most about 80 MiB however many row counts come (``scripts/native_growth.py``;
+  at 1,024 the heap grew by 361 MiB over 160 row counts). Not lower: a drafting step alone runs a dozen matmul
+  shapes (the drafter's and the target's, each at its own row count), which a cache of 16 recompiled every step
+  (DSpark's proposal 5.9 ms instead of 3.3 at one request, docs/serving/README.md);
 - ideep's LRU cache of computations in front of it (``LRU_CACHE_CAPACITY``, 1,024 by default), which
   the prepacked linears (``dspark.modeling.packed``) go through: about 1.6 MiB of heap per new row
   count, so 160 distinct prompt lengths grew the heap in use by 254 MiB and it never came back
@@ -65,7 +68,7 @@ def tune_malloc(arena_max: int = 2, mmap_threshold: int | None = None, trim_thre
     return applied
 
 
-ONEDNN_CACHE_CAPACITY = 16  # oneDNN's default is 1024
+ONEDNN_CACHE_CAPACITY = 256  # oneDNN's default is 1024
 IDEEP_CACHE_CAPACITY = 64  # ideep's default is 1024
 
 

@@ -148,7 +148,9 @@ def peers_markdown(rows: list[dict], config: dict, command: str, full_command: s
         "requests) requests). Total = completion tokens of all requests / wall time; per-user = mean over "
         "requests of completion tokens / latency; tau = tokens committed per request-step, bonus included "
         "(dspark: every request-step, from its `/metrics`; vLLM: the request-steps that verified drafts, from its "
-        "`spec_decode` counters; none for vLLM plain). Ratios are against the "
+        "`spec_decode` counters; none for vLLM plain); draft ms = the drafter's time per step that drafted, verify "
+        "ms = the verify pass and its host work per step (dspark's `/metrics`; prompt pieces that ride in a pass "
+        "count in its time). Ratios are against the "
         f"`{BASELINE}` row at the same number of clients. {cpus} CPUs; "
         + (f"every server confined to core(s) {config['cpus']} (taskset, and vLLM's worker bound there by "
            "`VLLM_CPU_OMP_THREADS_BIND`)" if config.get("cpus") else
@@ -161,9 +163,11 @@ def peers_markdown(rows: list[dict], config: dict, command: str, full_command: s
             table.append([r["name"], r["engine"], r["method"], str(p["concurrency"]), str(p["requests"]),
                           fmt(p["total_tokens_per_s"], 1), _ratio(p["total_vs_baseline"]),
                           fmt(p["user_tokens_per_s"], 1), _ratio(p["user_vs_baseline"]),
-                          fmt(p["acceptance_length"]), str(p["errors"]), _load(r)])
+                          fmt(p["acceptance_length"]), fmt(p.get("draft_ms"), 1), fmt(p.get("verify_ms"), 1),
+                          str(p["errors"]), _load(r)])
     body = markdown_table(["row", "engine", "method", "clients", "requests", "total tok/s", "total vs vLLM plain",
-                           "per-user tok/s", "per-user vs vLLM plain", "tau", "errors", "load average"], table)
+                           "per-user tok/s", "per-user vs vLLM plain", "tau", "draft ms", "verify ms", "errors",
+                           "load average"], table)
     body.append("")
     if any(p["requests"] for r in rows for p in r["points"]):  # write_peers draws the figure from these
         body += [f"![throughput against per-user speed]({figure})", ""]
