@@ -13,7 +13,7 @@ every new prompt length and batch, and each new (rows, weight) shape compiles ne
   MiB of heap per primitive, so at most about 80 MiB however many row counts come (``scripts/native_growth.py``;
   at 1,024 the heap grew by 361 MiB over 160 row counts). Not lower: a drafting step alone runs a dozen matmul
   shapes (the drafter's and the target's, each at its own row count), which a cache of 16 recompiled every step
-  (DSpark's proposal 5.9 ms instead of 3.3 at one request, docs/serving/README.md);
+  (DSpark's proposal 5.8 ms instead of 3.6 at one client under ``fixed:1``, docs/serving/README.md);
 - ideep's LRU cache of computations in front of it (``LRU_CACHE_CAPACITY``, 1,024 by default), which
   the prepacked linears (``dspark.modeling.packed``) go through: about 1.6 MiB of heap per new row
   count, so 160 distinct prompt lengths grew the heap in use by 254 MiB and it never came back
