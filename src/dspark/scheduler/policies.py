@@ -23,6 +23,7 @@ and exists for tests and ablations only.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol, runtime_checkable
@@ -315,8 +316,10 @@ class AsyncTopKScheduler:
     survivals, after one plain step measured at this count (``_plain_unmeasured``). Every ``probe_every``-th
     decision starts a probe of the other kind: one plain step (a plain step's rate barely moves), or ``probe_steps``
     drafting steps whose mean replaces drafting's rate, since drafting ran rarely and the content of the requests
-    moves acceptance. Drafting probes come r^2 times rarer where a drafting step costs r plain ones
-    (``_probe_interval``), and 4 times sooner while most of the batch has never drafted where r <=
+    moves acceptance. While drafting's window is shorter than ``RATE_WINDOW`` steps and its measured gain lies within
+    ``SETTLE_Z`` standard errors of 1, drafting goes on to measure (``_gain_within_noise``). Drafting probes come
+    r^2 times rarer where a drafting step costs r plain ones (``_probe_interval``; not while the gain is within noise
+    of 1), and 4 times sooner while most of the batch has never drafted where r <=
     ``NEW_BATCH_MAX_RATIO``: acceptance belongs to the requests, and the window measured others (one request at a
     time, each new prompt would otherwise inherit the last one's verdict for most of its steps). A drafting step
     right after a plain one is not measured: its drafter first catches up on the context the plain steps left, a
@@ -375,6 +378,8 @@ class AsyncTopKScheduler:
     #: in a plain step, requests without a record of their own draft (to get one) where a request committing this many
     #: tokens per drafting step would pay for its drafting (``drafting_requests``)
     EXPLORE_ACCEPTANCE: ClassVar[float] = 2.0
+    #: standard errors of the measured gain within which drafting goes on measuring (``_gain_within_noise``)
+    SETTLE_Z: ClassVar[float] = 2.0
 
     @property
     def _batch_cost(self) -> StepCostModel:
@@ -410,8 +415,9 @@ class AsyncTopKScheduler:
             return True
         if self._plain_unmeasured(num_requests):
             draft = False  # a plain step is the cheap one to learn: measured first, it decides sooner
-        else:
-            draft = self._expected_gain(num_requests) >= 1.0
+        else:  # while drafting's measured rate cannot tell which kind is faster, drafting goes on to measure it
+            draft = self._expected_gain(num_requests) >= 1.0 or (
+                self._gain_within_noise(num_requests) and self.measured(num_requests)[0][0] < self.RATE_WINDOW)
         interval = self._probe_interval(num_requests, probe_drafts=not draft)
         if not draft and 2 * never_drafted > num_requests and \
                 interval <= (self.probe_every - 1) * self.NEW_BATCH_MAX_RATIO ** 2:
@@ -499,17 +505,44 @@ class AsyncTopKScheduler:
         if key == self._fresh:  # a probe's first measured step: that kind's old window is stale
             self._rates.pop(key, None)
             self._fresh = None
-        entry = self._rates.setdefault(key, [0, 0.0, 0.0])
+        entry = self._rates.setdefault(key, [0, 0.0, 0.0, 0.0, 0.0, 0.0])  # steps, then the means of t, s, t², s², ts
         entry[0] += 1
         weight = 1.0 / min(entry[0], self.RATE_WINDOW)  # the plain mean at first, then a moving average
-        entry[1] += weight * (tokens - entry[1])
-        entry[2] += weight * (seconds - entry[2])
+        for i, value in enumerate((tokens, seconds, tokens * tokens, seconds * seconds, tokens * seconds), start=1):
+            entry[i] += weight * (value - entry[i])
 
     def measured(self, num_requests: int) -> tuple[tuple[int, float, float] | None, tuple[int, float, float] | None]:
         """What ``observe_step`` measured at ``num_requests`` requests, for drafting and for plain steps: (steps,
         tokens per step, seconds per step) each, None where that kind has not been measured there."""
         return tuple(None if (e := self._rates.get((num_requests, kind))) is None else (e[0], e[1], e[2])
                      for kind in (True, False))
+
+    def _relative_variance(self, num_requests: int, drafted: bool) -> float:
+        """The variance of log(rate) of one kind of step at ``num_requests``, as its window measures it: tokens over
+        seconds of n steps (n = its steps, at most ``RATE_WINDOW``) has relative variance
+        (Var t / t̄² + Var s / s̄² - 2 Cov(t, s) / (t̄ s̄)) / n (the delta method), the step-to-step variances with
+        n / (n - 1). 0 below 2 steps (nothing to estimate it from: a plain step's rate barely moves)."""
+        entry = self._rates.get((num_requests, drafted))
+        if entry is None or entry[0] < 2:
+            return 0.0
+        _, t, s, tt, ss, ts = entry
+        if t <= 0 or s <= 0:
+            return 0.0
+        n = min(entry[0], self.RATE_WINDOW)
+        spread = (tt - t * t) / (t * t) + (ss - s * s) / (s * s) - 2.0 * (ts - t * s) / (t * s)
+        return max(spread, 0.0) / (n - 1)
+
+    def _gain_within_noise(self, num_requests: int) -> bool:
+        """Whether both kinds were measured at ``num_requests`` and the measured gain lies within ``SETTLE_Z``
+        standard errors of 1 (on log scale): the window cannot tell which kind is faster."""
+        if not self._both_measured(num_requests):
+            return False
+        drafted, plain = self.measured(num_requests)
+        gain = (drafted[1] / drafted[2]) / (plain[1] / plain[2])
+        if gain <= 0:
+            return False
+        spread = self._relative_variance(num_requests, True) + self._relative_variance(num_requests, False)
+        return abs(math.log(gain)) < self.SETTLE_Z * math.sqrt(spread)
 
     def measured_marginal(self) -> dict[int, tuple[int, float]]:
         """What steps where only some requests drafted measured, by request count: (steps, seconds one more drafting
@@ -520,10 +553,11 @@ class AsyncTopKScheduler:
         """Decisions between probes: ``probe_every`` - 1 before a plain probe; before a drafting probe that times
         r^2, r = a drafting step's time over a plain step's at this R (measured, else the cost model's drafting
         overhead), so that the probes' share of the time, probe_steps * r / (probe_every * r^2), falls as drafting
-        grows dearer (at 32 requests a drafting step costs several plain ones)."""
+        grows dearer (at 32 requests a drafting step costs several plain ones); ``probe_every`` - 1 too while the
+        measured gain is within noise of 1 (``_gain_within_noise``): then a probe costs about what it may gain."""
         interval = self.probe_every - 1
-        if not probe_drafts:
-            return interval
+        if not probe_drafts or self._gain_within_noise(num_requests):
+            return interval  # a drafting step costs about as much per token as a plain one: probing costs little
         drafted, plain = self.measured(num_requests)
         if drafted is not None and plain is not None:
             ratio = drafted[2] / plain[2]
