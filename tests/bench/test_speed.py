@@ -162,3 +162,41 @@ def test_hybrid_rows_and_jsonl_prompt_sets(tmp_path):
     assert all(r["greedy_match"] == [1, 1] for k, r in rows.items() if k != "ours-plain")
     assert "prompt lookup where the context repeats a 2-gram" in rows["ours-ds+hybrid@k4"]["note"]
     assert {p["dataset"] for p in result["prompts"]} == {"mine"}
+
+
+def test_policy_rows_verify_as_the_policy_plans_and_stay_lossless(tmp_path):
+    """--policy: the --drafter rows (hybrid included) verify as the policy plans, alg1 on the drafter's step cost
+    profiled at the start and its sts.json; their names carry the policy; prompt lookup and plain verify all."""
+    from dspark.drafters.dspark.drafter import save_dspark_checkpoint
+    from tests.drafters.tiny_drafters import tiny_dspark
+
+    target = _tiny_hf_target(tmp_path / "target")
+    drafter = tiny_dspark(target)
+    save_dspark_checkpoint(drafter, tmp_path / "ds")
+    (tmp_path / "ds" / "sts.json").write_text(json.dumps({"temperatures": [1.0] * drafter.block_size}))
+
+    def rows_for(policy: str) -> dict:
+        cfg = SpeedConfig(target=str(tmp_path / "target"), sets=["gsm8k", "mt-bench"], per_set=1, max_new_tokens=10,
+                          temperatures=[0.0], warmup_tokens=2, max_prompt_tokens=400, include_hf=False,
+                          drafters=[["ds", str(tmp_path / "ds")]], hybrid=True, policy=policy)
+        return {r["key"]: r for r in run_speed_bench(cfg, "t", log=lambda msg: None)["rows"]}
+
+    rows = rows_for("alg1")
+    assert {"ours-plain", "ours-prompt-lookup@k7", "ours-ds/alg1@k4", "ours-ds+hybrid/alg1@k4"} == set(rows)
+    assert all(r["greedy_match"] == [2, 2] for k, r in rows.items() if k != "ours-plain")
+    assert "alg1 plans on the step's cost profiled" in rows["ours-ds/alg1@k4"]["note"]
+    assert "STS from its sts.json" in rows["ours-ds+hybrid/alg1@k4"]["note"]
+    # fixed:1 verifies the anchor and at most one draft a step (fewer where the answer's end caps the drafts), where
+    # verifying all carries the anchor and up to 4 drafts
+    rows = rows_for("fixed:1")
+    assert 1.5 < rows["ours-ds/fixed:1@k4"]["verified_per_step"] <= 2.0
+    assert rows["ours-ds/fixed:1@k4"]["greedy_match"] == [2, 2] and "profiled" not in rows["ours-ds/fixed:1@k4"]["note"]
+    assert rows_for("all")["ours-ds@k4"]["verified_per_step"] > 3.5
+
+
+def test_a_bad_policy_fails_before_anything_loads(capsys):
+    from dspark.cli import main
+
+    assert main(["bench", "speed", "--policy", "fastest", "--target", "no-such-model"]) != 0
+    err = capsys.readouterr().err
+    assert "unknown policy 'fastest'" in err and "Traceback" not in err

@@ -94,7 +94,7 @@ def test_the_demo_schedules_verification_on_a_profiled_step_unless_told_to_verif
         assert main(common + ([] if policy is None else ["--policy", policy])) == 0
         out = capsys.readouterr().out
         assert f"the DSpark and hybrid rows {says}" in out, out
-        assert ("the step's cost profiled at one request for alg1" in out) == (policy is None), out
+        assert ("the step's cost profiled at 1 request(s) for alg1" in out) == (policy is None), out
         table = [line for line in out.splitlines() if line.startswith("| ") and "decoding" not in line]
         assert len(table) == 4 and all(line.rstrip().endswith("| yes |") for line in table), out
     assert main(common + ["--policy", "fastest"]) != 0

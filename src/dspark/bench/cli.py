@@ -266,6 +266,11 @@ def add_speed(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--hybrid-static", action="store_true",
                    help="with --hybrid: also time the hybrid without its adaptive choice on shorter matches (rows "
                    "'<row>+hybrid-static'), the rule before it")
+    p.add_argument("--policy", default="all",
+                   help="how every --drafter row verifies: all (every draft) | fixed:N | alg1 | async | threshold:T; "
+                   "alg1 and async plan as `dspark demo` does, on the drafter's whole step profiled at one request at "
+                   "the start (a few seconds each) and its sts.json; rows named '<row>/POLICY' (prompt lookup and "
+                   "plain verify every draft) (default: %(default)s)")
     add_device_option(p, help="where the target, the drafters and the HF models run (default: auto = cuda when "
                       "a GPU is available, else cpu)")
     add_dtype_option(p, "the target, the drafters and the HF models")
@@ -291,12 +296,14 @@ def _bench_speed(args: argparse.Namespace) -> int:
     from dspark.bench.speed_methods import SpeedConfig
     from dspark.bench.speed_report import write_outputs
     from dspark.data.eval_sets import parse_dataset_names
+    from dspark.scheduler.adapter import parse_policy
 
     if args.from_json:
         result = json.loads(Path(args.from_json).read_text())
     else:
         set_threads(getattr(args, "threads", None))
         device, dtype = resolve_target_args(args)
+        parse_policy(args.policy)  # a bad --policy fails before anything loads
         for name in ("per_set", "max_new_tokens", "prompt_lookup_tokens", "warmup_tokens", "max_prompt_tokens",
                      "hybrid_min_ngram"):
             if getattr(args, name) < 1:
@@ -310,7 +317,7 @@ def _bench_speed(args: argparse.Namespace) -> int:
             warmup_tokens=args.warmup_tokens, dtype=dtype, device=device, compile=args.compile,
             head_top_m=args.head_top_m,
             draft_vocab=args.draft_vocab, hybrid=args.hybrid, hybrid_min_ngram=args.hybrid_min_ngram,
-            hybrid_static=args.hybrid_static, jsonl=[list(item) for item in args.jsonl],
+            hybrid_static=args.hybrid_static, jsonl=[list(item) for item in args.jsonl], policy=args.policy,
         )
         result = run_speed_bench(cfg, _command_line("speed"), lambda msg: print(msg, file=sys.stderr, flush=True))
     paths = write_outputs(result, args.out_dir, args.doc or None, args.doc_title)

@@ -77,6 +77,7 @@ class CallRecord:
     decode_s: float | None = None  # ours: wall seconds from the first step on (prefill and first token excluded)
     step_draft_s: list[float] = field(default_factory=list)
     step_verify_s: list[float] = field(default_factory=list)
+    verified: int = 0  # ours: tokens the verify passes carried (anchors included)
     matches_reference: bool | None = None  # greedy: equal to greedy_reference(method)'s output
     first_mismatch: int | None = None
 
@@ -157,6 +158,7 @@ def summarise(records: list[CallRecord], methods: list[Method], temperatures: li
                 verify = [v for r in calls for v in r.step_verify_s]
                 row["steps"] = steps
                 row["tau"] = sum(r.committed for r in calls) / steps if steps else None
+                row["verified_per_step"] = sum(r.verified for r in calls) / steps if steps else None
                 row["draft_ms"] = 1e3 * sum(r.draft_s for r in calls) / steps if steps else None
                 row["verify_ms"] = 1e3 * sum(r.verify_s for r in calls) / steps if steps else None
                 row["draft_ms_median"] = 1e3 * statistics.median(draft) if draft else None

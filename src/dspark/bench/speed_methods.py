@@ -52,6 +52,7 @@ class SpeedConfig:
     hybrid_min_ngram: int = 3
     hybrid_static: bool = False  # also a "+hybrid-static" row: lookup on long matches only, no adaptive choice
     jsonl: list[list[str]] = field(default_factory=list)  # [NAME, FILE] prompt sets beside --sets
+    policy: str = "all"  # how the --drafter rows verify (rows named '<row>/POLICY' unless all); see ``_policy_rows``
 
 
 # ---------------------------------------------------------------- prompts
@@ -123,11 +124,11 @@ class _StepLog:
         self.per_step.append((other.draft_s, other.verify_s))
 
 
-def ours_method(name: str, target, drafter, note: str = "") -> Method:
+def ours_method(name: str, target, drafter, note: str = "", policy=None) -> Method:
     from dspark.generation.generator import SpeculativeGenerator
     from dspark.sampling.processing import SamplingParams
 
-    gen = SpeculativeGenerator(target, drafter)
+    gen = SpeculativeGenerator(target, drafter, policy)
 
     def run(ids: list[int], temperature: float, seed: int, max_new: int) -> tuple[list[int], dict]:
         gen.timings = log = _StepLog()
@@ -137,7 +138,7 @@ def ours_method(name: str, target, drafter, note: str = "") -> Method:
             "decode_s": end - log.first_step_start if log.first_step_start is not None else 0.0,
             "steps": log.steps, "committed": res.stats.sum_acceptance_length, "draft_s": log.draft_s,
             "verify_s": log.verify_s, "step_draft_s": [d for d, _ in log.per_step],
-            "step_verify_s": [v for _, v in log.per_step],
+            "step_verify_s": [v for _, v in log.per_step], "verified": log.verified_tokens,
         }
 
     block = getattr(drafter, "block_size", None) or None
@@ -220,30 +221,75 @@ def build_methods(target, cfg: SpeedConfig, log=print, compiled_target=None) -> 
                 log(f"[speed] skipping {name} at block size {k}: its checkpoint proposes at most {own.block_size}")
                 continue
             drafter = own if k == own.block_size else load_drafter(path, target, DraftingOptions(block_size=k))
-            methods.append(ours_method(f"ours-{name}", target, drafter))
+            policy = _policy_rows(cfg, target, drafter, path, f"ours-{name}", log)
+            methods.append(ours_method(policy.name(f"ours-{name}"), target, drafter, policy.note, policy.make()))
             last = (f"ours-{name}", drafter)
             for suffix, m, vocab, note in _variants(own, cfg):
                 last = (f"ours-{name}{suffix}", load_drafter(path, target, DraftingOptions(block_size=k, head_top_m=m, draft_vocab=vocab)))
-                methods.append(ours_method(last[0], target, last[1], note))
+                methods.append(ours_method(policy.name(last[0]), target, last[1], policy.join(note), policy.make()))
             if cfg.hybrid:
                 from dspark.drafters.hybrid import HybridDrafter
 
                 n = cfg.hybrid_min_ngram
-                methods.append(ours_method(f"{last[0]}+hybrid", target, HybridDrafter(
-                    last[1], target.vocab_size, min_ngram=n),
+                methods.append(ours_method(policy.name(f"{last[0]}+hybrid"), target, HybridDrafter(
+                    last[1], target.vocab_size, min_ngram=n), policy.join(
                     f"prompt lookup where the context repeats a {n}-gram, or a shorter n-gram when its running "
-                    f"acceptance pays more than {last[0]}'s, else {last[0]} (--hybrid)"))
+                    f"acceptance pays more than {last[0]}'s, else {last[0]} (--hybrid)"), policy.make()))
                 if cfg.hybrid_static:
-                    methods.append(ours_method(f"{last[0]}+hybrid-static", target, HybridDrafter(
-                        last[1], target.vocab_size, min_ngram=n, adaptive=False),
-                        f"prompt lookup where the context repeats a {n}-gram, else {last[0]} (no adaptive choice)"))
-            twins.append(last)  # the compiled twin of each drafter row: its cheapest-drafting variant
+                    methods.append(ours_method(policy.name(f"{last[0]}+hybrid-static"), target, HybridDrafter(
+                        last[1], target.vocab_size, min_ngram=n, adaptive=False), policy.join(
+                        f"prompt lookup where the context repeats a {n}-gram, else {last[0]} (no adaptive choice)"),
+                        policy.make()))
+            twins.append((policy.name(last[0]), last[1]))  # the compiled twin of each drafter row: its cheapest variant
     if compiled_target is not None:  # drafters read no target weights while drafting: shared with the twin
         methods += [ours_method(f"{name}+compile", compiled_target, drafter) for name, drafter in twins]
     names = [(m.name, m.block_size) for m in methods]
     if len(set(names)) != len(names):
         raise DSparkError("two rows share a name and block size; give each --drafter a distinct NAME")
     return methods
+
+
+@dataclass
+class _PolicyRows:
+    """How one --drafter's rows verify (``SpeedConfig.policy``): their names, notes and a fresh policy per row."""
+
+    spec: str
+    cost: object = None  # the profiled step cost (alg1, async) or None
+    sts: list[float] | None = None
+
+    def name(self, row: str) -> str:
+        return row if self.spec == "all" else f"{row}/{self.spec}"
+
+    @property
+    def note(self) -> str:
+        if self.spec == "all":
+            return ""
+        planned = " on the step's cost profiled at one request at the start" if self.cost is not None else ""
+        sts = ", STS from its sts.json" if self.sts is not None else ""
+        return f"verifies as {self.spec} plans{planned}{sts} (--policy)"
+
+    def join(self, note: str) -> str:
+        return "; ".join(part for part in (note, self.note) if part)
+
+    def make(self):
+        """A new policy for one row (a policy keeps per-request records), or None: verify every draft."""
+        if self.spec == "all":
+            return None
+        from dspark.scheduler.adapter import make_policy
+
+        return make_policy(self.spec, self.cost, self.sts)
+
+
+def _policy_rows(cfg: SpeedConfig, target, drafter, checkpoint: str, row: str, log) -> _PolicyRows:
+    """The --policy of ``drafter``'s rows: for alg1 / async its whole step profiled now at one request (the benchmark
+    decodes one prompt at a time), as `dspark demo` plans; STS from ``checkpoint``/sts.json where there is one."""
+    from dspark.generation.step_profile import policy_inputs
+    from dspark.scheduler.adapter import parse_policy
+
+    if parse_policy(cfg.policy).kind == "all":
+        return _PolicyRows("all")
+    cost, sts = policy_inputs(cfg.policy, target, drafter, checkpoint, log=lambda line: log(f"[speed] {row}: {line}"))
+    return _PolicyRows(cfg.policy, cost, sts)
 
 
 def _variants(drafter, cfg: SpeedConfig) -> list[tuple[str, int | None, str | None, str]]:

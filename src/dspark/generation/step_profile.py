@@ -187,3 +187,25 @@ def load_or_profile_cost(
     if profile_to is not None:
         model.save(profile_to)
     return model
+
+
+
+def policy_inputs(spec: str, target: TargetModel, drafter: Drafter, checkpoint: str | Path | None = None,
+                  max_requests: int = 1, repeats: int = 9, log=print) -> tuple:
+    """What the verify policy ``spec`` (``dspark.scheduler.adapter.parse_policy``'s forms) plans on for ``drafter``,
+    as `dspark demo` and `dspark bench speed` build it: (step cost, STS temperatures), for
+    ``make_policy(spec, cost, sts)``, one policy per generator (a policy keeps per-request records). The cost, for
+    ``alg1`` / ``async`` only, is the whole step profiled now at 1..``max_requests`` requests (``repeats`` timed
+    steps per point: with 3, one slow spell of the machine in one point could move the plan of a whole run); the
+    temperatures are ``checkpoint``/sts.json's when the drafter has one, else None."""
+    from dspark.scheduler.adapter import parse_policy
+    from dspark.scheduler.sts import load_sts_json
+
+    cost = None
+    if parse_policy(spec).kind in ("alg1", "async"):
+        t0 = time.perf_counter()
+        cost = load_or_profile_cost(None, target, drafter, max_requests, repeats=repeats, log=lambda _: None)
+        log(f"the step's cost profiled at {max_requests} request(s) for {spec} ({time.perf_counter() - t0:.0f} s)")
+    sts_file = Path(checkpoint) / "sts.json" if checkpoint is not None else None
+    sts = load_sts_json(sts_file, drafter.block_size) if sts_file is not None and sts_file.is_file() else None
+    return cost, sts

@@ -112,21 +112,12 @@ def _policies(args: argparse.Namespace, spec, target, dspark, ckpt: Path) -> tup
     """The verify policies of the DSpark row and the hybrid row (one each: a policy keeps per-request records), or
     (None, None) for ``--policy all``. The schedulers plan on this machine's step cost, profiled now at one request
     (the demo decodes one prompt at a time), and on the drafter's STS temperatures when it has an sts.json."""
-    from dspark.generation.step_profile import load_or_profile_cost
+    from dspark.generation.step_profile import policy_inputs
     from dspark.scheduler.adapter import make_policy
-    from dspark.scheduler.sts import load_sts_json
 
     if spec.kind == "all":
         return None, None
-    cost = None
-    if spec.kind in ("alg1", "async"):
-        t0 = time.perf_counter()
-        # 9 timed steps per point (a few seconds): with 3, one slow spell of the machine in one point could move the
-        # plan of the whole run (a verify length priced far above its neighbours is then never chosen)
-        cost = load_or_profile_cost(None, target, dspark, 1, repeats=9, log=lambda _: None)
-        print(f"[demo] the step's cost profiled at one request for {args.policy} ({time.perf_counter() - t0:.0f} s)")
-    sts_file = ckpt / "sts.json"
-    sts = load_sts_json(sts_file, dspark.block_size) if sts_file.is_file() else None
+    cost, sts = policy_inputs(args.policy, target, dspark, ckpt, log=lambda line: print(f"[demo] {line}"))
     return make_policy(args.policy, cost, sts), make_policy(args.policy, cost, sts)
 
 
