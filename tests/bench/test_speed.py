@@ -100,14 +100,23 @@ def test_tiny_end_to_end_greedy_rows_equal_hf_generate(tmp_path):
 
 
 def test_compile_twins_are_timed_in_the_same_run_and_stay_lossless(tmp_path):
+    from dspark.drafters.dspark.drafter import save_dspark_checkpoint
+    from tests.drafters.tiny_drafters import tiny_dspark
+
     target = _tiny_hf_target(tmp_path / "target")
+    save_dspark_checkpoint(tiny_dspark(target), tmp_path / "ds")
     del target
     cfg = SpeedConfig(target=str(tmp_path / "target"), sets=["gsm8k"], per_set=2, max_new_tokens=8,
-                      temperatures=[0.0], warmup_tokens=2, max_prompt_tokens=400, include_hf=False, compile=True)
+                      temperatures=[0.0], warmup_tokens=2, max_prompt_tokens=400, include_hf=False, compile=True,
+                      drafters=[["ds", str(tmp_path / "ds")]], policy="fixed:1")
     result = run_speed_bench(cfg, "dspark bench speed --compile", log=lambda msg: None)
     rows = {r["key"]: r for r in result["rows"]}
-    assert set(rows) == {"ours-plain", "ours-prompt-lookup@k7", "ours-plain+compile"}
+    assert set(rows) == {"ours-plain", "ours-prompt-lookup@k7", "ours-ds/fixed:1@k4", "ours-plain+compile",
+                         "ours-ds/fixed:1+compile@k4"}
     assert rows["ours-plain+compile"]["greedy_match"] == [2, 2]  # against ours-plain (no HF rows)
+    # a drafter's compiled twin verifies as its row does
+    assert rows["ours-ds/fixed:1+compile@k4"]["verified_per_step"] <= 2.0
+    assert rows["ours-ds/fixed:1+compile@k4"]["greedy_match"] == [2, 2]
     assert "torch.compile'd target" in render_markdown(result)
 
 

@@ -207,7 +207,7 @@ def build_methods(target, cfg: SpeedConfig, log=print, compiled_target=None) -> 
                 "hf-assisted", hf, target, draft_lm_k,
                 f"num_assistant_tokens={draft_lm_k}, constant schedule, assistant_confidence_threshold={threshold}",
                 assistant_model=assistant))
-    twins = [(OURS_PLAIN, NoDrafter(target.vocab_size))]  # rows that get a "+compile" twin
+    twins = [(OURS_PLAIN, NoDrafter(target.vocab_size), _PolicyRows("all"))]  # rows that get a "+compile" twin
     methods.append(ours_method(OURS_PLAIN, target, twins[0][1]))
     methods.append(ours_method("ours-prompt-lookup", target, load_drafter(
         "prompt-lookup", target, DraftingOptions(block_size=cfg.prompt_lookup_tokens))))
@@ -240,9 +240,10 @@ def build_methods(target, cfg: SpeedConfig, log=print, compiled_target=None) -> 
                         last[1], target.vocab_size, min_ngram=n, adaptive=False), policy.join(
                         f"prompt lookup where the context repeats a {n}-gram, else {last[0]} (no adaptive choice)"),
                         policy.make()))
-            twins.append((policy.name(last[0]), last[1]))  # the compiled twin of each drafter row: its cheapest variant
+            twins.append((policy.name(last[0]), last[1], policy))  # each drafter's compiled twin: its cheapest variant
     if compiled_target is not None:  # drafters read no target weights while drafting: shared with the twin
-        methods += [ours_method(f"{name}+compile", compiled_target, drafter) for name, drafter in twins]
+        methods += [ours_method(f"{name}+compile", compiled_target, drafter, policy.note, policy.make())
+                    for name, drafter, policy in twins]
     names = [(m.name, m.block_size) for m in methods]
     if len(set(names)) != len(names):
         raise DSparkError("two rows share a name and block size; give each --drafter a distinct NAME")

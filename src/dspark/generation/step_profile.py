@@ -189,7 +189,6 @@ def load_or_profile_cost(
     return model
 
 
-
 def policy_inputs(spec: str, target: TargetModel, drafter: Drafter, checkpoint: str | Path | None = None,
                   max_requests: int = 1, repeats: int = 9, log=print) -> tuple:
     """What the verify policy ``spec`` (``dspark.scheduler.adapter.parse_policy``'s forms) plans on for ``drafter``,
