@@ -111,7 +111,8 @@ def render_markdown(result: dict[str, Any], title: str = "Decoding speed", raw_j
         f"Reproduce: `{result['command']}`" if result.get("command") else "", "",
         f"Target `{cfg['target']}`; {result['num_prompts']} prompt(s) ({cfg['per_set']} from each of {sets}; first "
         f"turn through the chat template), batch size 1, up to {cfg['max_new_tokens']} new tokens, "
-        f"{cfg.get('dtype', 'float32')}" + (" (HF rows too)" if cfg.get("dtype", "float32") != "float32" else "")
+        f"{cfg.get('dtype', 'float32')}"
+        + (" (HF rows too)" if cfg.get("dtype", "float32") != "float32" and cfg.get("include_hf", True) else "")
         + ("; '+compile' rows use a torch.compile'd target" if cfg.get("compile") else "")
         + (f"; on {mach.get('gpu') or 'a GPU'}" if cfg.get("device", "cpu") != "cpu" else "") + ".",
         f"Machine: {mach.get('cpu_model') or mach.get('machine')}, {mach.get('cpu_count')} CPUs, "
