@@ -413,12 +413,13 @@ class AsyncTopKScheduler:
         been seen yet."""
         if self.cost.draft.is_zero or len(self._history) < self.lag or num_requests < 1:
             return True
+        noisy = self._gain_within_noise(num_requests)
         if self._plain_unmeasured(num_requests):
             draft = False  # a plain step is the cheap one to learn: measured first, it decides sooner
         else:  # while drafting's measured rate cannot tell which kind is faster, drafting goes on to measure it
             draft = self._expected_gain(num_requests) >= 1.0 or (
-                self._gain_within_noise(num_requests) and self.measured(num_requests)[0][0] < self.RATE_WINDOW)
-        interval = self._probe_interval(num_requests, probe_drafts=not draft)
+                noisy and self.measured(num_requests)[0][0] < self.RATE_WINDOW)
+        interval = self._probe_interval(num_requests, probe_drafts=not draft, within_noise=noisy)
         if not draft and 2 * never_drafted > num_requests and \
                 interval <= (self.probe_every - 1) * self.NEW_BATCH_MAX_RATIO ** 2:
             interval //= 4  # most of the batch is new to drafting: the window measured other requests' acceptance
@@ -537,8 +538,7 @@ class AsyncTopKScheduler:
         standard errors of 1 (on log scale): the window cannot tell which kind is faster."""
         if not self._both_measured(num_requests):
             return False
-        drafted, plain = self.measured(num_requests)
-        gain = (drafted[1] / drafted[2]) / (plain[1] / plain[2])
+        gain = self._measured_gain(num_requests)
         if gain <= 0:
             return False
         spread = self._relative_variance(num_requests, True) + self._relative_variance(num_requests, False)
@@ -549,14 +549,20 @@ class AsyncTopKScheduler:
         request adds to a plain step)."""
         return {r: (e[0], e[1]) for r, e in sorted(self._marginal.items())}
 
-    def _probe_interval(self, num_requests: int, probe_drafts: bool) -> int:
+    def _measured_gain(self, num_requests: int) -> float:
+        """Drafting's measured rate over plain's at ``num_requests`` (both kinds measured there)."""
+        drafted, plain = self.measured(num_requests)
+        return (drafted[1] / drafted[2]) / (plain[1] / plain[2])
+
+    def _probe_interval(self, num_requests: int, probe_drafts: bool, within_noise: bool = False) -> int:
         """Decisions between probes: ``probe_every`` - 1 before a plain probe; before a drafting probe that times
         r^2, r = a drafting step's time over a plain step's at this R (measured, else the cost model's drafting
         overhead), so that the probes' share of the time, probe_steps * r / (probe_every * r^2), falls as drafting
         grows dearer (at 32 requests a drafting step costs several plain ones); ``probe_every`` - 1 too while the
-        measured gain is within noise of 1 (``_gain_within_noise``): then a probe costs about what it may gain."""
+        measured gain is within noise of 1 (``within_noise``, ``_gain_within_noise``): then a probe costs about what
+        it may gain."""
         interval = self.probe_every - 1
-        if not probe_drafts or self._gain_within_noise(num_requests):
+        if not probe_drafts or within_noise:
             return interval  # a drafting step costs about as much per token as a plain one: probing costs little
         drafted, plain = self.measured(num_requests)
         if drafted is not None and plain is not None:
@@ -572,15 +578,13 @@ class AsyncTopKScheduler:
         were, times how the cost model's gain moves from R' to R (a level of load brings request counts that were
         never seen: the model's error at R' is taken to hold at R); else the cost model's."""
         if self._both_measured(num_requests):
-            drafted, plain = self.measured(num_requests)
-            return (drafted[1] / drafted[2]) / (plain[1] / plain[2])
+            return self._measured_gain(num_requests)
         near = self._nearest_measured(num_requests)
         if near is None:
             return self._model_gain(num_requests)
-        drafted, plain = self.measured(near)
         model_near = self._model_gain(near)
         trend = self._model_gain(num_requests) / model_near if model_near > 0 else 1.0
-        return (drafted[1] / drafted[2]) / (plain[1] / plain[2]) * trend
+        return self._measured_gain(near) * trend
 
     def _plain_unmeasured(self, num_requests: int) -> bool:
         """Whether the gate measures steps (``observe_step`` has recorded some) but no plain step at
