@@ -24,8 +24,11 @@
 #                                                # (dspark2-regen-t1mix-R4, dflash2-regen-t1mix-R4)
 #   EPOCHS=1 TAG=t1mix-R4 SLICES="T1R4 R4" PROCS=2 bash scripts/scale_train.sh eagle3-regen-all  # Eagle3 beside
 #                                                # them, same data, steps and 8,192-token draft vocabulary
-#                                                # (eagle3-regen-t1mix-R4; its 7-step training-time test: about 2.5x
-#                                                # a DSpark step's time)
+#                                                # (eagle3-regen-t1mix-R4; its 7-step training-time test: about 4x
+#                                                # a DSpark step's time on both cores, 940 against 4,150 tokens/s)
+#   SETS="--set model.loss_decay_gamma=7" EPOCHS=1 TAG=g7-t1mix-R4 SLICES="T1R4 R4" PROCS=2 \
+#     bash scripts/scale_train.sh depth2-regen-all depth2-dflash-regen-all  # the pair with extra training settings
+#                                                # (SETS, word-split: here the paper's loss weights, gamma = 7)
 #   bash scripts/scale_train.sh layer-target-330 # DSpark with the target family's draft layer (dsparktl-330)
 #   bash scripts/scale_train.sh regen            # DSpark and DFlash on the on-policy slices (dspark-regen, dflash-regen)
 #   bash scripts/scale_train.sh regen-cont       # both continued on every slice from dspark-regen / dflash-regen
@@ -44,7 +47,8 @@
 #                                                # resumes depth3-regen-all's dspark3-regen-R4 once R5 is listed),
 #                                                # SETS="--set model.num_anchors=64" adds training settings (the
 #                                                # warm-start ablation of training-scale.md); SLICES="T1R4"
-#                                                # reads scripts/scale_t1_answers.sh's slice
+#                                                # reads scripts/scale_t1_answers.sh's slice; KIND=dflash continues
+#                                                # a DFlash (INIT=its folder) with the same pass and settings
 #   bash scripts/scale_train.sh regen-next       # the continued runs (*-regen-cont) one pass further on the newest
 #                                                # slice only (*-regen-cont-R3 for slice R3; CONT_LR, KINDS as above)
 set -euo pipefail
@@ -116,8 +120,9 @@ for p in "${points[@]}"; do
     esac
     slice=$(listed_slices | tail -n 1)  # SLICES="R1 R2 R3 R4" resumes the run named after R4 once R5 is listed
     slice=${TAG:-$slice}  # TAG=x names the run ${kind}${depth}-regen-x instead (another mix of slices)
+    # shellcheck disable=SC2086  # SETS: extra --set arguments (the loss-decay check of training-scale.md)
     train "${kind}${depth}-regen-$slice" "$preset" "$(caches_for regen)" all --set model.draft_layer=qwen3 \
-      --set "model.num_draft_layers=$depth" --set "data=[]" "${head[@]}"
+      --set "model.num_draft_layers=$depth" --set "data=[]" "${head[@]}" ${SETS:-}
     continue
   fi
   if [[ "$p" == depth2-* ]]; then  # the depth ablation: DSpark with 2 draft layers at point N
@@ -149,7 +154,8 @@ for p in "${points[@]}"; do
     caches=$(caches_for regen)
     layers=${LAYERS:-$(grep -o '"num_hidden_layers": *[0-9]*' "$init/config.json" | grep -o '[0-9]*$')}
     # shellcheck disable=SC2086  # SETS: extra --set arguments, word-split on purpose
-    EPOCHS=${CONT_EPOCHS:-1} train "${NAME:-dspark-regen-warm-$slice}" smollm2-dspark-markov "$caches" all \
+    preset=smollm2-dspark-markov; [ "${KIND:-dspark}" = dflash ] && preset=smollm2-dflash
+    EPOCHS=${CONT_EPOCHS:-1} train "${NAME:-${KIND:-dspark}-regen-warm-$slice}" $preset "$caches" all \
       --set model.draft_layer=qwen3 --set "data=[]" --set "lr=${CONT_LR:-0.0003}" --set "init_from=$init" \
       --set "model.num_draft_layers=$layers" ${SETS:-}
     continue

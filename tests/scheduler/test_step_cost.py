@@ -598,6 +598,32 @@ def test_the_gate_reaches_the_faster_kind_s_rate_on_noisy_steps(requests: int) -
         assert mean >= 0.95, (gain, mean)
 
 
+@pytest.mark.parametrize("requests", [2, 8])
+def test_the_gate_keeps_up_when_the_request_count_moves(requests: int) -> None:
+    # clients coming and going move the count by one in 15 % of the steps (8 requests: between 6 and 8); the gate
+    # keeps its rates per count, so it measures each count anew, and still reaches the faster kind's rate
+    from dspark.simulate.gate_noise import churn_range, gate_efficiency, synthetic_gate
+
+    assert churn_range(1) == (1, 1) and churn_range(2) == (1, 2) and churn_range(8) == (6, 8)
+    for gain in (0.7, 0.9, 1.12, 1.25):
+        mean = sum(gate_efficiency(synthetic_gate, gain, requests, seed, churn=0.15) for seed in range(24)) / 24
+        assert 0.95 <= mean <= 1.01, (gain, mean)
+
+
+def test_the_gate_noise_efficiency_is_against_the_better_kind_at_each_step_s_count() -> None:
+    # a gate that always drafts reaches gain / max(gain, 1) of the best, up to the steps' noise, at any churn
+    from dspark.simulate.gate_noise import gate_efficiency, synthetic_gate
+
+    def always() -> AsyncTopKScheduler:
+        gate = synthetic_gate()
+        gate.should_draft = lambda num_requests, never_drafted=0: True  # type: ignore[method-assign]
+        return gate
+
+    for gain, churn in ((0.8, 0.0), (0.8, 0.3), (1.2, 0.3)):
+        mean = sum(gate_efficiency(always, gain, 8, seed, churn=churn) for seed in range(8)) / 8
+        assert mean == pytest.approx(gain / max(gain, 1.0), rel=0.02), (gain, churn, mean)
+
+
 def _requests(*own: tuple[int, int]) -> list[RequestState]:
     """Requests with (drafted_steps, drafted_tokens) each."""
     return [RequestState(str(i), 1, [1], SamplingParams(0.0), torch.Generator(), drafted_steps=s, drafted_tokens=t)

@@ -6,7 +6,9 @@ accepted drafts of ``DRAFTS``, each accepted with probability ``ACCEPTANCE`` onc
 makes drafting ``gain`` times a plain step's rate (+-5 %). Such steps commit 1 to 1 + K tokens per request, so a
 window of a few of them measures drafting's rate loosely, as in the engine. ``gate_efficiency`` runs a gate
 (``AsyncTopKScheduler.should_draft`` / ``observe_step``) over them and returns the rate it reached over the better
-kind's: 1.0 = it always chose the faster kind.
+kind's: 1.0 = it always chose the faster kind. With ``churn`` the request count moves as a served level's does when
+clients come and go: by one request in that share of the steps, within the top quarter of its range (at least one
+request below the top), and the gate keeps its rates per request count as in the engine.
 """
 
 from __future__ import annotations
@@ -47,22 +49,32 @@ def drafting_tokens(requests: int, rng: random.Random) -> int:
     return total
 
 
+def churn_range(requests: int) -> tuple[int, int]:
+    """The request counts a level of ``requests`` clients moves between under churn: the top quarter of 1..requests,
+    at least one below the top (a client's next request is in its prompt while the others decode)."""
+    return max(1, requests - max(1, requests // 4)), requests
+
+
 def gate_efficiency(make_gate: Callable[[], AsyncTopKScheduler], gain: float, requests: int, seed: int,
-                    steps: int = 600, warmup: int = 100) -> float:
-    """The rate of a fresh gate's steps after the first ``warmup`` of ``steps``, over max(drafting, plain)'s rate."""
+                    steps: int = 600, warmup: int = 100, churn: float = 0.0) -> float:
+    """The rate of a fresh gate's steps after the first ``warmup`` of ``steps``, over the better kind's rate at each
+    step's request count (``requests``, or a count of ``churn_range`` moving by one in ``churn`` of the steps)."""
     rng = random.Random(seed)
     gate = make_gate()
-    mean_tokens = requests * sum(ACCEPTANCE ** k for k in range(DRAFTS + 1))
-    plain_rate = requests / PLAIN_S
-    drafting_s = mean_tokens / (plain_rate * gain)
-    tokens = seconds = 0.0
+    low, high = churn_range(requests)
+    R = requests
+    ideal_s = seconds = 0.0
     for i in range(steps):
-        drafted = gate.should_draft(requests)
+        if churn > 0 and rng.random() < churn:
+            R = min(high, max(low, R + rng.choice((-1, 1))))
+        drafted = gate.should_draft(R)
+        plain_rate = R / PLAIN_S  # tokens per second of plain steps, and of drafting steps times gain
         if drafted:
-            t, s = drafting_tokens(requests, rng), drafting_s * rng.uniform(0.95, 1.05)
+            mean_tokens = R * sum(ACCEPTANCE ** k for k in range(DRAFTS + 1))
+            t, s = drafting_tokens(R, rng), mean_tokens / (plain_rate * gain) * rng.uniform(0.95, 1.05)
         else:
-            t, s = requests, PLAIN_S * rng.uniform(0.97, 1.03)
-        gate.observe_step(requests, drafted, t, s)
+            t, s = R, PLAIN_S * rng.uniform(0.97, 1.03)
+        gate.observe_step(R, drafted, t, s)
         if i >= warmup:
-            tokens, seconds = tokens + t, seconds + s
-    return tokens / seconds / (plain_rate * max(gain, 1.0))
+            ideal_s, seconds = ideal_s + t / (plain_rate * max(gain, 1.0)), seconds + s
+    return ideal_s / seconds
