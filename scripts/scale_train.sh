@@ -24,8 +24,8 @@
 #                                                # (dspark2-regen-t1mix-R4, dflash2-regen-t1mix-R4)
 #   EPOCHS=1 TAG=t1mix-R4 SLICES="T1R4 R4" PROCS=2 bash scripts/scale_train.sh eagle3-regen-all  # Eagle3 beside
 #                                                # them, same data, steps and 8,192-token draft vocabulary
-#                                                # (eagle3-regen-t1mix-R4; its 7-step training-time test: about 4x
-#                                                # a DSpark step's time on both cores, 940 against 4,150 tokens/s)
+#                                                # (eagle3-regen-t1mix-R4; its 7-step training-time test: about 4.5x
+#                                                # a DSpark step's time on both cores, training-scale.md)
 #   SETS="--set model.loss_decay_gamma=7" EPOCHS=1 TAG=g7-t1mix-R4 SLICES="T1R4 R4" PROCS=2 \
 #     bash scripts/scale_train.sh depth2-regen-all depth2-dflash-regen-all  # the pair with extra training settings
 #                                                # (SETS, word-split: here the paper's loss weights, gamma = 7)
@@ -154,7 +154,11 @@ for p in "${points[@]}"; do
     caches=$(caches_for regen)
     layers=${LAYERS:-$(grep -o '"num_hidden_layers": *[0-9]*' "$init/config.json" | grep -o '[0-9]*$')}
     # shellcheck disable=SC2086  # SETS: extra --set arguments, word-split on purpose
-    preset=smollm2-dspark-markov; [ "${KIND:-dspark}" = dflash ] && preset=smollm2-dflash
+    case ${KIND:-dspark} in
+      dspark) preset=smollm2-dspark-markov ;;
+      dflash) preset=smollm2-dflash ;;
+      *) echo "KIND=$KIND: regen-warm continues a dspark or a dflash drafter"; exit 2 ;;
+    esac
     EPOCHS=${CONT_EPOCHS:-1} train "${NAME:-${KIND:-dspark}-regen-warm-$slice}" $preset "$caches" all \
       --set model.draft_layer=qwen3 --set "data=[]" --set "lr=${CONT_LR:-0.0003}" --set "init_from=$init" \
       --set "model.num_draft_layers=$layers" ${SETS:-}
